@@ -1,0 +1,522 @@
+"""Typed configuration: YAML files map onto nested dataclasses, one per component.
+
+Strictness is the point: an unknown key, a wrong type or an out-of-range value raises
+`ConfigError` naming `file:key`, the offending value and what was expected. Command-line
+overrides use dotted keys (`trainer.lr=1e-6`); their values are parsed as YAML scalars.
+
+Each component receives only its own dataclass (`cfg.trainer`, `cfg.rollout`, ...).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message is one line naming file:key."""
+
+
+class FieldError(ValueError):
+    """Raised by `__post_init__` validation; the loader turns it into a `ConfigError`."""
+
+    def __init__(self, key: str, value: Any, expected: str):
+        super().__init__(f"{key}: got {value!r}, expected {expected}")
+        self.key, self.value, self.expected = key, value, expected
+
+
+def _check(ok: bool, key: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise FieldError(key, value, expected)
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _check(value > 0, name, value, "a value > 0")
+
+
+def _non_negative(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _check(value >= 0, name, value, "a value >= 0")
+
+
+# --------------------------------------------------------------------------------------
+# Components
+# --------------------------------------------------------------------------------------
+MODEL_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v4", "tiny-deepseek-v3")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    preset: str | None = "tiny-qwen3-moe"
+    """Name of a tiny offline preset (built deterministically); ignored when `path` is set."""
+    path: str | None = None
+    """A local Hugging Face checkpoint directory (config.json + safetensors + tokenizer)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Trainer parameter dtype. CPU trains in fp32 (bf16 is slow without AVX-512); GPUs use bf16."""
+    seed: int = 0
+    """Seed for building a preset's random initial weights."""
+    warm_start: bool = True
+    """Start RL from the SFT warm-started checkpoint (built and cached by `launch.sft`)."""
+
+    def __post_init__(self) -> None:
+        if self.path is None:
+            _check(self.preset in MODEL_PRESETS, "preset", self.preset,
+                   f"one of {', '.join(MODEL_PRESETS)} (or set model.path)")
+
+
+@dataclass(kw_only=True, slots=True)
+class SyntheticConfig:
+    num_train: int = 4000
+    num_eval: int = 200
+    min_value: int = 0
+    max_value: int = 99
+    """Operands are drawn uniformly from [min_value, max_value]."""
+    num_operands: int = 2
+    operators: list[str] = field(default_factory=lambda: ["+", "-"])
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_train", "num_eval", "num_operands")
+        _check(self.max_value >= self.min_value, "max_value", self.max_value,
+               f"a value >= min_value ({self.min_value})")
+        for op in self.operators:
+            _check(op in ("+", "-", "*"), "operators", self.operators, "a list of '+', '-', '*'")
+        _check(len(self.operators) > 0, "operators", self.operators, "a non-empty list")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    source: Literal["synthetic", "file"] = "synthetic"
+    train_path: str | None = None
+    """JSONL or Parquet file of training prompts (source: file)."""
+    eval_path: str | None = None
+    prompt_key: str = "question"
+    answer_key: str = "answer"
+    answer_format: Literal["auto", "gsm8k", "boxed", "raw"] = "auto"
+    """How to extract the reference answer: `#### 42` (gsm8k), `\\boxed{..}`, the raw field, or auto."""
+    chat_template: bool = False
+    """Wrap prompts with the tokenizer's chat template (instruct models)."""
+    system_prompt: str | None = None
+    max_prompt_tokens: int = 256
+    shuffle: bool = True
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_prompt_tokens")
+        _check(self.system_prompt is None or self.chat_template, "system_prompt", self.system_prompt,
+               "null unless chat_template is true (a system prompt needs the chat template)")
+        if self.source == "file":
+            _check(self.train_path is not None, "train_path", self.train_path,
+                   "a JSONL or Parquet path when source is 'file'")
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    function: str = "math"
+    """`math` (math-verify equivalence), `exact`, or a user function `package.module:function`."""
+    format_weight: float = 0.0
+    """Weight of the format reward (answer present in the expected form) added to correctness."""
+    response_format: Literal["auto", "number", "boxed", "gsm8k"] = "auto"
+    """Form the format reward expects: the whole response a bare number (`number`, the synthetic
+    task), a final `\\boxed{..}`, a final `#### answer` line, or any of these (`auto`)."""
+    verify_timeout_s: int = 5
+    """math-verify's per-parse/compare timeout (seconds) when rewards run in the main thread; it is
+    signal-based, so in other threads it is off (0 = off everywhere)."""
+
+    def __post_init__(self) -> None:
+        builtin = self.function in ("math", "exact")
+        _check(builtin or ":" in self.function, "function", self.function,
+               "'math', 'exact' or a dotted path 'package.module:function'")
+        _non_negative(self, "format_weight", "verify_timeout_s")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    engine: Literal["vllm", "hf", "native"] = "vllm"
+    num_engines: int = 1
+    tensor_parallel_size: int = 1
+    quantization: Literal["none", "fp8"] = "none"
+    """`fp8` on GPU clusters (vLLM's FP8 path has no CPU kernel)."""
+    n_samples: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int = 512
+    enforce_eager: bool = True
+    use_aiter: bool = False
+    """ROCm only: turn on vLLM's AITER kernels (VLLM_ROCM_USE_AITER and friends)."""
+    cpu_kvcache_gb: float = 1.0
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_engines", "tensor_parallel_size", "n_samples", "max_new_tokens",
+                  "max_model_len", "cpu_kvcache_gb")
+        _check(self.temperature >= 0, "temperature", self.temperature, "a value >= 0")
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "a value in (0, 1]")
+        _check(self.top_k == -1 or self.top_k > 0, "top_k", self.top_k, "-1 (off) or > 0")
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+               self.gpu_memory_utilization, "a value in (0, 1]")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    num_ranks: int = 2
+    zero_stage: int = 3
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 4096
+    """Token budget of one micro-batch (prompt + response tokens, padded)."""
+    ppo_epochs: int = 1
+    num_mini_batches: int = 1
+    """Optimizer steps per PPO epoch; the rollout batch is split evenly."""
+    torch_threads: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_ranks", "lr", "micro_batch_tokens", "ppo_epochs", "num_mini_batches",
+                  "torch_threads")
+        _non_negative(self, "weight_decay", "warmup_steps", "grad_clip")
+        _check(self.zero_stage in (0, 1, 2, 3), "zero_stage", self.zero_stage, "0, 1, 2 or 3")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", self.betas,
+               "two values in [0, 1)")
+        _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "a value in [0, 1]")
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    prompts_per_step: int = 16
+    normalize_std: bool = True
+    """GRPO: divide group-centred rewards by the group std."""
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    """Clip-higher: the upper ratio bound is 1 + clip_high."""
+    loss_agg: Literal["token", "sequence"] = "token"
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    tis_cap: float | None = 2.0
+    """Truncated importance sampling cap on exp(logp_trainer_old - logp_rollout); null = off."""
+    max_staleness: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(self, "prompts_per_step")
+        _non_negative(self, "clip_low", "clip_high", "kl_coef", "entropy_coef", "max_staleness")
+        if self.tis_cap is not None:
+            _check(self.tis_cap >= 1, "tis_cap", self.tis_cap, "null (off) or a value >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncConfig:
+    bucket_mb: float = 64.0
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    wire_dtype: Literal["native", "fp8"] = "native"
+    """`fp8`: quantise on send (block FP8 + scales on the wire); `native`: the trainer dtype."""
+    verify: bool = False
+    """Checksum every bucket and fail loudly on mismatch."""
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "bucket_mb", "timeout_s")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    every: int = 5
+    """Evaluate every N steps (0 = only before and after the run)."""
+    num_prompts: int = 200
+    pass_k: int = 4
+    pass_k_temperature: float = 1.0
+    at_start: bool = True
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "every")
+        _positive(self, "num_prompts", "pass_k")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    every: int = 5
+    keep_last: int = 2
+    keep_every: int = 0
+    """Also keep every N-th step's checkpoint forever (0 = off)."""
+    grace_period_s: float = 60.0
+    """After a stop signal, the time allowed to finish the step and write the checkpoint."""
+    max_bad_steps: int = 3
+    """Abort (with a checkpoint) after this many non-finite steps in a row."""
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "every", "keep_every")
+        _positive(self, "keep_last", "grace_period_s", "max_bad_steps")
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    hdf5: bool = True
+    print_every: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "print_every")
+
+
+@dataclass(kw_only=True, slots=True)
+class SlurmGroupConfig:
+    nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_node: int = 2
+    mem_gb: float = 0.0
+    """0 = Slurm's default."""
+    partition: str | None = None
+    constraint: str | None = None
+    time_min: int = 60
+
+    def __post_init__(self) -> None:
+        _positive(self, "nodes", "time_min")
+        _non_negative(self, "gpus_per_node", "cpus_per_node", "mem_gb")
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    kind: Literal["local", "slurm"] = "local"
+    trainer: SlurmGroupConfig = field(default_factory=lambda: SlurmGroupConfig(nodes=2))
+    rollout: SlurmGroupConfig = field(default_factory=SlurmGroupConfig)
+    max_requeues: int = 3
+    signal_before_end_s: int = 120
+    """Slurm sends USR1 this long before the time limit."""
+    ray_start_timeout_s: float = 120.0
+    placement_timeout_s: float = 300.0
+    slurm_params: dict[str, str] = field(default_factory=dict)
+    """Extra sbatch options applied to both components (validated against a table)."""
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "max_requeues", "signal_before_end_s")
+        _positive(self, "ray_start_timeout_s", "placement_timeout_s")
+
+
+@dataclass(kw_only=True, slots=True)
+class SftConfig:
+    steps: int = 300
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    cache_dir: str = "checkpoints/sft"
+
+    def __post_init__(self) -> None:
+        _positive(self, "steps", "batch_size", "lr")
+        _non_negative(self, "warmup_steps")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    name: str = "run"
+    output_dir: str = "checkpoints"
+    """Runs live in `output_dir/name`."""
+    seed: int = 0
+    num_steps: int = 20
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "num_steps")
+        _check(bool(self.name) and "/" not in self.name, "name", self.name,
+               "a non-empty name without '/'")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+# --------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _convert(value: Any, tp: Any, where: str, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise _Mismatch
+        return _build(tp, value, where, key)
+    if origin is Literal:
+        if value in typing.get_args(tp) and type(value) in {type(a) for a in typing.get_args(tp)}:
+            return value
+        raise _Mismatch
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _convert(value, arg, where, key)
+            except _Mismatch:
+                continue
+        raise _Mismatch
+    if origin is list:
+        if not isinstance(value, list):
+            raise _Mismatch
+        (item_tp,) = typing.get_args(tp)
+        return [_convert(v, item_tp, where, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _Mismatch
+        k_tp, v_tp = typing.get_args(tp)
+        return {_convert(k, k_tp, where, key): _convert(v, v_tp, where, f"{key}.{k}")
+                for k, v in value.items()}
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _Mismatch
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _Mismatch
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _Mismatch
+    raise TypeError(f"unsupported config type {tp!r} at {key}")
+
+
+def _build(cls: type, data: dict, where: str, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{where}:{full}: unknown key{hint}; valid keys: {', '.join(names)}")
+        try:
+            kwargs[key] = _convert(value, hints[key], where, full)
+        except _Mismatch:
+            raise ConfigError(
+                f"{where}:{full}: got {value!r}, expected {_type_name(hints[key])}") from None
+    try:
+        return cls(**kwargs)
+    except FieldError as e:
+        full = f"{prefix}.{e.key}" if prefix else e.key
+        raise ConfigError(f"{where}:{full}: got {e.value!r}, expected {e.expected}") from None
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(text: str) -> dict:
+    """`a.b.c=value` -> {"a": {"b": {"c": value}}}; the value is parsed as a YAML scalar."""
+    if "=" not in text:
+        raise ConfigError(f"<command line>:{text}: expected an override of the form key.sub=value")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"<command line>:{key}: malformed key in override {text!r}")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    out: dict = {}
+    node = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Load `path` (YAML), apply dotted `overrides`, validate. Raises ConfigError."""
+    data: dict = {}
+    where = "<defaults>"
+    if path is not None:
+        where = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read config file ({e.strerror})") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = f":{mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}{line}: invalid YAML ({getattr(e, 'problem', e)})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    cfg = _build(Config, data, where)
+    for text in overrides:
+        # Each override is validated on its own first, so an error names the command line.
+        override = parse_override(text)
+        _build(Config, _merge(to_dict(cfg), override), "<command line>")
+        data = _merge(data, override)
+    return _build(Config, data, where) if overrides else cfg
+
+
+def config_hash(cfg: Config, keys: tuple[str, ...] | None = None) -> str:
+    blob = json.dumps(to_dict(cfg), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

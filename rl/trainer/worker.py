@@ -1,0 +1,285 @@
+"""TrainerWorker: one data-parallel rank holding a DeepSpeed ZeRO engine around the HF actor.
+
+A plain class: Ray hosts N of them as actors (rl/cluster/groups.py); on a machine without Ray the
+same class runs in plain processes. Every public method that touches parameters is a collective
+under ZeRO: the driver must call it on all ranks with the same arguments.
+
+Batch layout (a dict the driver builds, identical on every rank):
+  prompt_ids: list[list[int]], response_ids: list[list[int]], rollout_logprobs: list[list[float]],
+  advantages: list[float].
+Each rank trains on its strided shard (sample i goes to rank i % world_size); all ranks run the
+same number of micro-batches (short ranks pad with zero-weight ones) so ZeRO's collectives match.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rl.config import AlgorithmConfig, SyncConfig, TrainerConfig
+from rl.trainer import losses
+from rl.trainer.microbatch import Micro, micro_batches, pad_batch
+from rl.trainer.weights import WeightSender
+
+
+@dataclass(kw_only=True, slots=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+def _lr_lambda(cfg: TrainerConfig, total_steps: int):
+    def fn(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        span = max(total_steps - cfg.warmup_steps, 1)
+        progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return fn
+
+
+def ds_config(cfg: TrainerConfig, bf16: bool) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": cfg.grad_clip,
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {
+            "stage": cfg.zero_stage,
+            "overlap_comm": False,
+            "contiguous_gradients": True,
+            "stage3_param_persistence_threshold": 0,
+        },
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+class TrainerWorker:
+    def __init__(self, cfg: TrainerConfig, algo: AlgorithmConfig, sync: SyncConfig, model_dir: str,
+                 dtype: str, rank_info: RankInfo, seed: int, total_optimizer_steps: int):
+        self.cfg, self.algo, self.sync_cfg = cfg, algo, sync
+        self.rank, self.world_size = rank_info.rank, rank_info.world_size
+        torch.set_num_threads(cfg.torch_threads)
+        self.device = self._pick_device()
+        self.dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size),
+                          LOCAL_RANK="0" if self.device.type == "cpu" else str(self.device.index or 0),
+                          MASTER_ADDR=rank_info.master_addr, MASTER_PORT=str(rank_info.master_port))
+        self._seed_everything(seed)
+        self.engine, self.ref_model = self._build(model_dir, total_optimizer_steps)
+        self.sender = WeightSender(self.engine.module, zero_stage=cfg.zero_stage,
+                                   is_sender=self.rank == 0, sync=sync, device=self.device)
+        self.optimizer_steps = 0
+
+    # ---- setup -------------------------------------------------------------------------
+    def _pick_device(self) -> torch.device:
+        want = self.cfg.device
+        if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+            if not torch.cuda.is_available():
+                raise RuntimeError("trainer.device is 'cuda' but no CUDA device is visible")
+            local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            torch.cuda.set_device(local)
+            return torch.device("cuda", local)
+        return torch.device("cpu")
+
+    def _seed_everything(self, seed: int) -> None:
+        # Per-rank streams: the same seed on every rank would make dropout etc. identical.
+        s = seed * 1000 + self.rank
+        random.seed(s)
+        np.random.seed(s % 2**32)
+        torch.manual_seed(s)
+
+    def _build(self, model_dir: str, total_steps: int):
+        import deepspeed
+        import torch.distributed as dist
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+        bf16 = self.dtype == torch.bfloat16
+        config = ds_config(self.cfg, bf16)
+        self._hf_ds = None
+        if self.cfg.zero_stage == 3:
+            # Keeps transformers' from_pretrained partitioning at load time (kept alive on purpose).
+            from transformers.integrations import HfDeepSpeedConfig
+            self._hf_ds = HfDeepSpeedConfig(config)
+        model = self._load(model_dir, torch.device("cpu"))
+        model.config.use_cache = False
+        model.train()
+        ref = None
+        if self.algo.kl_coef > 0:
+            ref = self._load(model_dir, self.device).eval()
+            for p in ref.parameters():
+                p.requires_grad_(False)
+        optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.cfg.lr,
+                                  betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(optim, _lr_lambda(self.cfg, total_steps))
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optim, lr_scheduler=sched,
+                                               config=config, dist_init_required=False)
+        return engine, ref
+
+    def _load(self, model_dir: str, device: torch.device):
+        from rl.models.loading import load_model
+        return load_model(model_dir, dtype=self.dtype, device=device)
+
+    # ---- log-probs -----------------------------------------------------------------------
+    def _forward_logprobs(self, model, mb: Micro, with_entropy: bool):
+        out = model(input_ids=mb.input_ids.to(self.device),
+                    attention_mask=mb.attention_mask.to(self.device), use_cache=False)
+        # logits[t] predicts token t+1: response token j sits at input position P + j.
+        logits = out.logits[:, :-1].float()
+        targets = mb.input_ids[:, 1:].to(self.device)
+        logp = losses.token_logprobs(logits, targets)
+        ent = losses.entropy_from_logits(logits) if with_entropy else None
+        return logp, ent
+
+    @torch.no_grad()
+    def score(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        """Per-token log-probs of the responses (all ranks compute all; collective under ZeRO-3)."""
+        self.engine.module.eval()
+        batch = pad_batch(prompt_ids, response_ids)
+        logp, _ = self._forward_logprobs(self.engine.module, batch, with_entropy=False)
+        self.engine.module.train()
+        return [logp[i, batch.resp_mask[i, 1:].bool()].tolist() for i in range(len(prompt_ids))]
+
+    # ---- training ------------------------------------------------------------------------
+    def train_step(self, batch: dict, step: int) -> dict:
+        """PPO epochs x mini-batches over this rank's shard. Returns rank-averaged statistics."""
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        n = len(batch["prompt_ids"])
+        mine = list(range(self.rank, n, self.world_size))
+        advantages = torch.tensor(batch["advantages"], dtype=torch.float32)
+        mbs = micro_batches(batch, mine, self.cfg.micro_batch_tokens, self.world_size, n)
+        # Old (behaviour-at-train-time) and reference log-probs, once, before any update.
+        old_logp, ref_logp = {}, {}
+        self.engine.module.eval()
+        with torch.no_grad():
+            for mb in mbs:
+                old_logp[id(mb)], _ = self._forward_logprobs(self.engine.module, mb, False)
+                if self.ref_model is not None:
+                    ref_logp[id(mb)], _ = self._forward_logprobs(self.ref_model, mb, False)
+        self.engine.module.train()
+
+        stats_sum: dict[str, float] = {}
+        count = 0
+        grad_norms = []
+        num_tokens = 0
+        rng = random.Random(step * 7919 + 17)
+        for epoch in range(self.cfg.ppo_epochs):
+            order = list(range(len(mbs)))
+            rng.shuffle(order)  # same permutation on every rank (same seed)
+            groups = np.array_split(np.array(order, dtype=np.int64), self.cfg.num_mini_batches)
+            for group in groups:
+                group = [mbs[i] for i in group]
+                denom = self._global_denominator(group)
+                for j, mb in enumerate(group):
+                    self.engine.set_gradient_accumulation_boundary(j == len(group) - 1)
+                    logp, ent = self._forward_logprobs(self.engine.module, mb,
+                                                       with_entropy=True)
+                    mask = mb.resp_mask[:, 1:].to(self.device)
+                    rollout = mb.rollout_logp[:, 1:].to(self.device)
+                    loss, st = losses.policy_loss(
+                        logp, old_logp[id(mb)], advantages[mb.index].to(self.device), mask,
+                        self.algo, rollout_logp=rollout if self.algo.tis_cap is not None else None,
+                        ref_logp=ref_logp.get(id(mb)), entropy=ent, agg_denominator=denom)
+                    # DeepSpeed averages gradients over ranks; the denominator is already global.
+                    self.engine.backward(loss * mb.weight * self.world_size)
+                    self.engine.step()
+                    if mb.weight > 0:
+                        for k, v in st.items():
+                            stats_sum[k] = stats_sum.get(k, 0.0) + v
+                        count += 1
+                        num_tokens += int(mb.attention_mask.sum())
+                norm = self.engine.get_global_grad_norm()
+                grad_norms.append(float(norm) if norm is not None else float("nan"))
+                self.optimizer_steps += 1
+        stats = {f"train/{k}": v / max(count, 1) for k, v in stats_sum.items()}
+        stats["train/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else 0.0
+        stats["train/lr"] = float(self.engine.get_lr()[0])
+        stats["train/tokens_per_s"] = num_tokens / max(time.perf_counter() - t0, 1e-9)
+        # Average statistics over ranks so every rank returns the same numbers.
+        keys = sorted(stats)
+        t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t)
+        t /= self.world_size
+        out = dict(zip(keys, t.tolist()))
+        out["train/grad_norm"] = stats["train/grad_norm"]  # already global
+        out["train/tokens_per_s"] = stats["train/tokens_per_s"] * self.world_size
+        return out
+
+    def _global_denominator(self, group: list[Micro]) -> float:
+        """Token (or sequence) count of the whole mini-batch over all ranks."""
+        import torch.distributed as dist
+        local = 0.0
+        for mb in group:
+            if mb.weight == 0:
+                continue
+            mask = mb.resp_mask[:, 1:]
+            local += float(mask.sum()) if self.algo.loss_agg == "token" else float((mask.sum(1) > 0).sum())
+        t = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(t)
+        return max(float(t.item()), 1.0)
+
+    # ---- weights -------------------------------------------------------------------------
+    def sync_plan(self):
+        return self.sender.plan()
+
+    def init_weight_sync(self, host: str, port: int, world_size: int) -> None:
+        self.sender.connect(host, port, world_size)
+
+    def send_weights(self, version: int) -> dict:
+        return self.sender.send(version)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights on CPU (collective under ZeRO-3); for tests and exports."""
+        return self.sender.gather_all()
+
+    # ---- checkpoint ----------------------------------------------------------------------
+    def save(self, path: str, tag: str, client_state: dict | None = None) -> None:
+        state = dict(client_state or {})
+        state["rng"] = rng_state()
+        state["optimizer_steps"] = self.optimizer_steps
+        self.engine.save_checkpoint(path, tag=tag, client_state=state, save_latest=False)
+
+    def load(self, path: str, tag: str) -> dict:
+        _, client = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+        if client is None:
+            raise RuntimeError(f"could not load trainer checkpoint {Path(path) / tag}")
+        set_rng_state(client["rng"])
+        self.optimizer_steps = client["optimizer_steps"]
+        return client
+
+    def ping(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        self.sender.close()
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
