@@ -1,0 +1,181 @@
+"""Scalar metrics to TensorBoard, with one documented table of every tag the loop writes.
+
+Event files go to `run_dir/tensorboard` (one TensorBoard "run" per training run). Resuming at
+step s opens the writer with `purge_step=s`: the new event file starts with a SessionLog.START at
+step s, and TensorBoard's readers then drop every older event with step >= s, so curves continue
+without gaps or duplicates although the old events stay on disk. A fresh run writes a START marker
+at step 0 as well: TensorBoard's Python loader (`--load_fast=false`) takes a run's first START for
+the beginning of the run and purges only on later ones; its default Rust loader purges on every
+START. tests/rl/test_metrics.py checks both loaders through a real `tensorboard` server.
+
+Read the curves with `tensorboard --logdir RUN_DIR/tensorboard`.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+TENSORBOARD_SUBDIR = "tensorboard"
+
+# tag -> description (units in brackets). Every tag the loop writes is listed here; the README
+# table is generated from it by `markdown_table()`.
+METRIC_TAGS: dict[str, str] = {
+    "reward/mean": "Mean reward over all samples of the step's rollout batch.",
+    "reward/std": "Std of the rewards over the step's rollout batch.",
+    "reward/failures": "Samples whose reward function raised or timed out (scored 0) [count].",
+    "reward/zero_std_frac": "Fraction of prompt groups with identical rewards (zero advantage).",
+    "rollout/accuracy": "Fraction of samples judged correct by the verifier.",
+    "rollout/response_length": "Mean response length [tokens].",
+    "rollout/truncated_frac": "Fraction of responses cut at max_new_tokens (finish reason 'length').",
+    "rollout/tokens_per_s": "Generated tokens per second of rollout wall time, all engines.",
+    "train/loss": "Total policy loss (pg + kl_coef*kl - entropy_coef*entropy), mini-batch mean.",
+    "train/pg_loss": "Clipped policy-gradient (surrogate) loss, TIS-weighted.",
+    "train/kl": "KL(policy || reference) by algorithm.kl_estimator, aggregated like the loss.",
+    "train/entropy": "Mean per-token policy entropy [nats].",
+    "train/approx_kl": "KL(old || new) by the k3 estimator: how far the optimizer moved the policy.",
+    "train/ratio_mean": "Mean PPO ratio exp(logp - old_logp) over valid tokens.",
+    "train/clip_frac_low": "Fraction of tokens with A < 0 clipped at 1 - clip_low (no gradient).",
+    "train/clip_frac_high": "Fraction of tokens with A > 0 clipped at 1 + clip_high (no gradient).",
+    "train/tis_ratio_mean": "Mean of exp(old_logp_trainer - logp_rollout) before the TIS cap.",
+    "train/tis_ratio_max": "Max TIS ratio before the cap (rollout/trainer mismatch outliers).",
+    "train/tis_ratio_min": "Min TIS ratio.",
+    "train/tis_capped_frac": "Fraction of tokens whose TIS ratio exceeded algorithm.tis_cap.",
+    "train/grad_norm": "Gradient L2 norm before clipping (mean over the step's optimizer steps).",
+    "train/lr": "Learning rate at the step's last optimizer step.",
+    "train/tokens_per_s": "Trained tokens (prompt + response, unpadded) per second of train time.",
+    "sync/seconds": "Wall time of the trainer -> rollout weight update [s].",
+    "sync/gbytes_per_s": "Weight-update throughput: sync/bytes / sync/seconds / 1e9 [GB/s].",
+    "sync/bytes": "Bytes sent on the wire for one weight update (after FP8 quantisation if on).",
+    "time/step": "Wall time of the whole step [s].",
+    "time/rollout": "Wall time of generation [s].",
+    "time/reward": "Wall time of reward computation [s].",
+    "time/train": "Wall time of log-probs + optimizer steps [s].",
+    "time/sync": "Wall time of the weight update, including pause/resume of the engines [s].",
+    "time/eval": "Wall time of evaluation, on steps that evaluate [s].",
+    "eval/pass1": "Greedy accuracy on the eval set (pass@1).",
+    "eval/mean_reward": "Mean reward of the greedy eval samples.",
+    "eval/pass_k": "pass@k on the eval set at eval.pass_k_temperature, k = eval.pass_k.",
+    "faults/rollout_restarts": "Rollout engines restarted after a failure (cumulative count).",
+    "faults/skipped_steps": "Steps skipped for a non-finite loss or gradient (cumulative count).",
+    "weights/version": "Weight version served by the rollout engines after this step's sync.",
+}
+
+_TAG_RE = re.compile(r"^[a-z0-9_]+/[a-z0-9_]+$")
+
+
+def markdown_table() -> str:
+    """The README table of METRIC_TAGS: a header and one `| tag | meaning |` row per tag."""
+    lines = ["| tag | meaning |", "| --- | --- |"]
+    lines += [f"| `{tag}` | {desc} |" for tag, desc in METRIC_TAGS.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _to_float(tag: str, value: Any) -> float:
+    try:
+        return float(value)  # accepts Python numbers, numpy scalars and 0-dim/1-element tensors
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a multi-element tensor
+        raise ValueError(f"metric {tag!r}: got {value!r}, expected a number") from None
+
+
+class MetricsLogger:
+    """Writes scalars to `run_dir/tensorboard`.
+
+    Args:
+      run_dir: the run directory; the event files go to `run_dir/tensorboard`.
+      enabled: when False every call is a no-op (logging.tensorboard: false, or non-zero ranks).
+        Call `flush()` once per step: the writer otherwise buffers up to 30 s of events.
+      purge_step: on resume, the step the run continues from; events with step >= purge_step
+        written before are hidden by TensorBoard's readers.
+      strict: raise on tags missing from METRIC_TAGS instead of warning once per tag (tests use it
+        to keep the table complete).
+    """
+
+    def __init__(self, run_dir: str | Path, enabled: bool = True, purge_step: int | None = None,
+                 strict: bool = False):
+        self.log_dir = Path(run_dir) / TENSORBOARD_SUBDIR
+        self.enabled = enabled
+        self.strict = strict
+        self._warned: set[str] = set()
+        self._writer = None
+        if not enabled:
+            return
+        if purge_step is not None and purge_step < 0:
+            raise ValueError(f"purge_step: got {purge_step!r}, expected a step >= 0")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        has_events = any(self.log_dir.glob("events.out.tfevents.*"))
+        if purge_step is None and not has_events:
+            # A fresh run starts with its own START marker too: TensorBoard's Python loader
+            # (--load_fast=false) treats the first START of a run as the beginning, not a restart,
+            # and would otherwise ignore the purge of the first resume.
+            purge_step = 0
+        elif purge_step is None:
+            log.warning("%s already holds event files and no purge_step was given: steps "
+                        "written again will appear twice in TensorBoard", self.log_dir)
+        if purge_step is not None and has_events:
+            _wait_for_newer_second(self.log_dir)
+        # Imported here so that readers of this module (launch.inspect) do not pay for torch.
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step,
+                                     flush_secs=30)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Write `metrics` (tag -> number) at `step`. Non-finite values are written as they are
+        (a NaN on the curve is the signal) but logged as a warning."""
+        if self._writer is None:
+            return
+        for tag, value in metrics.items():
+            self._check_tag(tag)
+            number = _to_float(tag, value)
+            if not math.isfinite(number):
+                log.warning("metric %s is %s at step %d", tag, number, step)
+            self._writer.add_scalar(tag, number, global_step=step)
+
+    def _check_tag(self, tag: str) -> None:
+        if tag in METRIC_TAGS:
+            return
+        if self.strict or not _TAG_RE.match(tag):
+            raise ValueError(f"metric tag {tag!r} is not documented in rl.metrics.METRIC_TAGS "
+                             f"(expected one of: {', '.join(METRIC_TAGS)})")
+        if tag not in self._warned:
+            self._warned.add(tag)
+            log.warning("metric tag %r is not in rl.metrics.METRIC_TAGS; add it to the table", tag)
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _wait_for_newer_second(log_dir: Path) -> None:
+    """Make the next event file sort after the existing ones.
+
+    TensorBoard reads a run's event files in file-name order, and the purge only hides events read
+    *before* the START marker. File names start with the creation time in whole seconds, so a
+    file created in the same second as an existing one could sort before it (the suffix is a
+    per-process counter). A real resume is a new process seconds later and never waits; tests that
+    reopen at once wait < 1 s.
+    """
+    newest = 0
+    for path in log_dir.glob("events.out.tfevents.*"):
+        parts = path.name.split(".")
+        if len(parts) > 3 and parts[3].isdigit():
+            newest = max(newest, int(parts[3]))
+    while int(time.time()) <= newest:
+        time.sleep(0.05)

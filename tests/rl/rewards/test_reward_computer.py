@@ -1,0 +1,99 @@
+"""RewardComputer: totals, format weight, plugins by dotted path, failures counted not fatal."""
+import math
+from pathlib import Path
+
+import pytest
+
+from rl.config import ConfigError, RewardConfig, load_config
+from rl.data import Example
+from rl.rewards import RewardComputer, load_reward_function
+
+PLUGINS = "tests.rl.rewards.user_reward_plugins"
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(autouse=True)
+def importable_tests(monkeypatch):
+    # Plugins are imported by dotted path from the repository root, however pytest was started.
+    monkeypatch.syspath_prepend(str(REPO))
+
+
+def examples(*answers, **meta):
+    return [Example(prompt=f"p{i}", answer=a, meta=dict(meta)) for i, a in enumerate(answers)]
+
+
+def test_math_total_is_correctness_plus_weighted_format():
+    computer = RewardComputer(RewardConfig(function="math", format_weight=0.5))
+    responses = ["42", "\\boxed{\\frac{1}{2}} because", "41", "$0.5$"]
+    parts = computer.score(responses, examples("42", "0.5", "42", "1/2"))
+    assert parts.correctness == [1.0, 1.0, 0.0, 1.0]
+    assert parts.format == [1.0, 0.0, 1.0, 0.0]
+    assert parts.total == [1.5, 1.0, 0.5, 1.0]
+    assert computer(responses, examples("42", "0.5", "42", "1/2")) == parts.total
+    assert computer.failures == 0
+
+
+def test_exact_and_response_format():
+    computer = RewardComputer(RewardConfig(function="exact", format_weight=1.0,
+                                           response_format="boxed"))
+    assert computer(["\\boxed{x+1}", "x+1"], examples("x+1", "x+1")) == [2.0, 1.0]
+
+
+def test_user_plugin_receives_meta():
+    computer = RewardComputer(RewardConfig(function=f"{PLUGINS}:length_match"))
+    assert computer(["12", "123"], examples("42", "42", scale=2.0)) == [2.0, 0.0]
+
+
+@pytest.mark.parametrize("name, error", [
+    ("raising", "RuntimeError: plugin exploded"),
+    ("not_finite", "ValueError: returned nan, expected a finite number"),
+    ("not_a_number", "TypeError: returned '1.0' (str), expected a finite number"),
+])
+def test_failing_plugin_is_counted_not_fatal(name, error):
+    computer = RewardComputer(RewardConfig(function=f"{PLUGINS}:{name}", format_weight=1.0))
+    parts = computer.score(["boom", "7"], examples("7", "7"))
+    assert parts.failed[0] and parts.total[0] == 0.0  # a failure also drops the format reward
+    assert computer.failures == (2 if name != "raising" else 1)
+    assert error in computer.errors[0]
+    assert computer.errors[0].startswith(f"reward.function '{PLUGINS}:{name}' failed on sample 0")
+    if name == "raising":
+        assert parts.total[1] == 2.0 and not parts.failed[1]
+    assert all(math.isfinite(x) for x in parts.total)
+
+
+def test_error_messages_are_capped_but_failures_keep_counting():
+    computer = RewardComputer(RewardConfig(function=f"{PLUGINS}:not_finite"))
+    for _ in range(3):
+        computer(["1"] * 4, examples(*["1"] * 4))
+    assert computer.failures == 12 and len(computer.errors) == 5
+
+
+def test_unparseable_reference_in_math_is_a_counted_failure():
+    computer = RewardComputer(RewardConfig(function="math"))
+    assert computer(["1.5", "1.5"], examples("$$", "3/2")) == [0.0, 1.0]
+    assert computer.failures == 1 and "cannot parse the reference answer" in computer.errors[0]
+
+
+@pytest.mark.parametrize("path, message", [
+    ("no_such_pkg_xyz.mod:fn", r"reward\.function: got 'no_such_pkg_xyz\.mod:fn', cannot import "
+                               r"module 'no_such_pkg_xyz\.mod' \(ModuleNotFoundError: "),
+    (f"{PLUGINS}:missing", rf"reward\.function: got '{PLUGINS}:missing', module '{PLUGINS}' has "
+                           r"no attribute 'missing'; expected a function"),
+    (f"{PLUGINS}:NOT_CALLABLE", r"module '.*' is not callable 'NOT_CALLABLE'"),
+    (":fn", r"reward\.function: got ':fn', expected 'package\.module:function'"),
+])
+def test_bad_dotted_path_is_a_config_error(path, message):
+    with pytest.raises(ConfigError, match=message):
+        load_reward_function(path)
+    with pytest.raises(ConfigError, match=message):
+        RewardComputer(RewardConfig(function=path))
+
+
+def test_config_rejects_a_function_without_colon():
+    with pytest.raises(ConfigError, match=r"reward\.function: got 'mymodule\.fn', expected "):
+        load_config(None, ["reward.function=mymodule.fn"])
+
+
+def test_length_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="2 responses but 1 examples"):
+        RewardComputer(RewardConfig())(["1", "2"], examples("1"))
