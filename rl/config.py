@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -375,6 +376,9 @@ def _type_name(tp: Any) -> str:
         tp, getattr(tp, "__name__", str(tp)))
 
 
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 class _Mismatch(Exception):
     pass
 
@@ -421,6 +425,9 @@ def _convert(value: Any, tp: Any, where: str, key: str) -> Any:
         raise _Mismatch
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # YAML 1.1 reads `1e-6` (no dot) as a string; accept what is plainly a number.
+        if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
             return float(value)
         raise _Mismatch
     if tp is str:

@@ -110,6 +110,13 @@ class TrainerWorker:
             dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
         bf16 = self.dtype == torch.bfloat16
         config = ds_config(self.cfg, bf16)
+        # The frozen reference is loaded before ZeRO-3's load-time partitioning is switched on: it
+        # is not wrapped by DeepSpeed, so it must hold full tensors.
+        ref = None
+        if self.algo.kl_coef > 0:
+            ref = self._load(model_dir, self.device).eval()
+            for p in ref.parameters():
+                p.requires_grad_(False)
         self._hf_ds = None
         if self.cfg.zero_stage == 3:
             # Keeps transformers' from_pretrained partitioning at load time (kept alive on purpose).
@@ -118,11 +125,6 @@ class TrainerWorker:
         model = self._load(model_dir, torch.device("cpu"))
         model.config.use_cache = False
         model.train()
-        ref = None
-        if self.algo.kl_coef > 0:
-            ref = self._load(model_dir, self.device).eval()
-            for p in ref.parameters():
-                p.requires_grad_(False)
         optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.cfg.lr,
                                   betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(optim, _lr_lambda(self.cfg, total_steps))
@@ -139,10 +141,11 @@ class TrainerWorker:
         out = model(input_ids=mb.input_ids.to(self.device),
                     attention_mask=mb.attention_mask.to(self.device), use_cache=False)
         # logits[t] predicts token t+1: response token j sits at input position P + j.
-        logits = out.logits[:, :-1].float()
+        logits = out.logits[:, :-1]  # token_logprobs upcasts chunk by chunk
         targets = mb.input_ids[:, 1:].to(self.device)
         logp = losses.token_logprobs(logits, targets)
         ent = losses.entropy_from_logits(logits) if with_entropy else None
+        self._last_logits = logits
         return logp, ent
 
     @torch.no_grad()
@@ -175,6 +178,7 @@ class TrainerWorker:
         self.engine.module.train()
 
         stats_sum: dict[str, float] = {}
+        extremes: dict[str, float] = {}
         count = 0
         grad_norms = []
         num_tokens = 0
@@ -189,7 +193,10 @@ class TrainerWorker:
                 for j, mb in enumerate(group):
                     self.engine.set_gradient_accumulation_boundary(j == len(group) - 1)
                     logp, ent = self._forward_logprobs(self.engine.module, mb,
-                                                       with_entropy=True)
+                                                       with_entropy=self.algo.entropy_coef > 0)
+                    if ent is None:  # logged only: no graph kept for it
+                        with torch.no_grad():
+                            ent = losses.entropy_from_logits(self._last_logits.detach())
                     mask = mb.resp_mask[:, 1:].to(self.device)
                     rollout = mb.rollout_logp[:, 1:].to(self.device)
                     loss, st = losses.policy_loss(
@@ -201,24 +208,37 @@ class TrainerWorker:
                     self.engine.step()
                     if mb.weight > 0:
                         for k, v in st.items():
-                            stats_sum[k] = stats_sum.get(k, 0.0) + v
+                            if k.endswith("_max"):
+                                extremes[k] = max(extremes.get(k, -math.inf), v)
+                            elif k.endswith("_min"):
+                                extremes[k] = min(extremes.get(k, math.inf), v)
+                            else:
+                                stats_sum[k] = stats_sum.get(k, 0.0) + v
                         count += 1
                         num_tokens += int(mb.attention_mask.sum())
                 norm = self.engine.get_global_grad_norm()
                 grad_norms.append(float(norm) if norm is not None else float("nan"))
                 self.optimizer_steps += 1
         stats = {f"train/{k}": v / max(count, 1) for k, v in stats_sum.items()}
-        stats["train/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else 0.0
-        stats["train/lr"] = float(self.engine.get_lr()[0])
+        stats.update({f"train/{k}": v for k, v in extremes.items()})
         stats["train/tokens_per_s"] = num_tokens / max(time.perf_counter() - t0, 1e-9)
-        # Average statistics over ranks so every rank returns the same numbers.
-        keys = sorted(stats)
-        t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t)
-        t /= self.world_size
-        out = dict(zip(keys, t.tolist()))
-        out["train/grad_norm"] = stats["train/grad_norm"]  # already global
-        out["train/tokens_per_s"] = stats["train/tokens_per_s"] * self.world_size
+        # Every rank returns the same numbers: means over ranks, true max/min for extremes,
+        # throughput summed over ranks. grad_norm and lr are already global.
+        out = {}
+        for op, keys in ((dist.ReduceOp.SUM, [k for k in stats if not k.endswith(("_max", "_min"))]),
+                         (dist.ReduceOp.MAX, [k for k in stats if k.endswith("_max")]),
+                         (dist.ReduceOp.MIN, [k for k in stats if k.endswith("_min")])):
+            keys = sorted(keys)
+            if not keys:
+                continue
+            t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+            dist.all_reduce(t, op=op)
+            if op == dist.ReduceOp.SUM:
+                t /= self.world_size
+            out.update(zip(keys, t.tolist()))
+        out["train/tokens_per_s"] *= self.world_size
+        out["train/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else 0.0
+        out["train/lr"] = float(self.engine.get_lr()[0])
         return out
 
     def _global_denominator(self, group: list[Micro]) -> float:
@@ -238,8 +258,16 @@ class TrainerWorker:
     def sync_plan(self):
         return self.sender.plan()
 
+    def sync_address(self) -> tuple[str, int]:
+        """Where the weight group's store listens: this node's address and a free port."""
+        from rl.cluster.groups import free_port, node_ip
+        return node_ip(), free_port()
+
     def init_weight_sync(self, host: str, port: int, world_size: int) -> None:
         self.sender.connect(host, port, world_size)
+
+    def close_weight_sync(self) -> None:
+        self.sender.close()
 
     def send_weights(self, version: int) -> dict:
         return self.sender.send(version)

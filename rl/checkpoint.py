@@ -1,0 +1,145 @@
+"""Atomic, step-numbered checkpoints of a run, with retention and a `latest` pointer.
+
+Layout of `RUN_DIR/checkpoints/`:
+  step_000006/            one complete checkpoint
+    trainer/ds/...        DeepSpeed engine state of every rank (weights, optimizer, LR scheduler, RNG)
+    driver.pt             driver state: step, weight version, sampler, driver RNG, counters
+    manifest.json         written last: step, weight version, config hash, versions, time
+  latest                  text file naming the newest complete checkpoint (replaced atomically)
+  .tmp-step_000009-*/     an interrupted write; ignored and cleaned up
+
+Write protocol: everything goes into a temporary directory, files are fsync'ed, the directory is
+renamed into place, its parent fsync'ed, and only then `latest` is replaced. A crash at any point
+leaves either the previous state or the new complete checkpoint, never a half-written one that
+looks complete.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def software_versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("deepspeed", "vllm", "transformers", "ray"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001 - absent packages are simply not listed
+            pass
+    return out
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: Path, keep_last: int = 2, keep_every: int = 0):
+        self.root = Path(run_dir) / "checkpoints"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep_last, self.keep_every = keep_last, keep_every
+
+    # ---- writing ---------------------------------------------------------------------------
+    def save(self, step: int, weight_version: int, config_hash: str,
+             write_payload: Callable[[Path], None], extra: dict | None = None) -> Path:
+        """`write_payload(tmp_dir)` writes the trainer and driver state into `tmp_dir`."""
+        t0 = time.perf_counter()
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f".tmp-{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        write_payload(tmp)
+        manifest = {"format": FORMAT_VERSION, "step": step, "weight_version": weight_version,
+                    "config_hash": config_hash, "versions": software_versions(),
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
+                    **(extra or {})}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        _fsync_tree(tmp)
+        if final.exists():  # an older checkpoint of the same step (e.g. re-run after resume)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        atomic_write_text(self.root / "latest", final.name + "\n")
+        self._retain()
+        log.info("checkpoint %s written in %.1fs", final, time.perf_counter() - t0)
+        return final
+
+    def _retain(self) -> None:
+        steps = sorted(self.complete_steps())
+        keep = set(steps[-self.keep_last:])
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        for s in steps:
+            if s not in keep:
+                shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
+        for tmp in self.root.glob(".tmp-step_*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    # ---- reading ---------------------------------------------------------------------------
+    def complete_steps(self) -> list[int]:
+        out = []
+        for d in self.root.glob("step_*"):
+            if (d / MANIFEST).is_file():
+                try:
+                    out.append(int(d.name.removeprefix("step_")))
+                except ValueError:
+                    continue
+        return sorted(out)
+
+    def latest(self) -> tuple[Path, dict] | None:
+        """The newest complete checkpoint and its manifest; incomplete ones are skipped loudly."""
+        for d in sorted(self.root.glob("step_*"), reverse=True):
+            manifest = d / MANIFEST
+            if not manifest.is_file():
+                log.warning("skipping incomplete checkpoint %s (no %s)", d, MANIFEST)
+                continue
+            try:
+                return d, json.loads(manifest.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                log.warning("skipping unreadable checkpoint %s: %s", d, e)
+        for tmp in self.root.glob(".tmp-step_*"):
+            log.warning("ignoring interrupted checkpoint write %s", tmp)
+        return None

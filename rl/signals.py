@@ -1,0 +1,58 @@
+"""Graceful stop: SIGUSR1, SIGUSR2 and SIGTERM ask the driver to checkpoint and exit.
+
+Slurm sends USR1 (our `--signal`) before a time limit or, with preempt_send_user_signal, before a
+preemption; `scontrol requeue` and plain preemption send TERM. All three mean the same thing: stop
+at the next safe point, save, exit with EXIT_REQUEUE so the Slurm layer requeues the job.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+log = logging.getLogger(__name__)
+
+EXIT_REQUEUE = 75
+"""Exit status of a run that stopped on a signal after checkpointing (EX_TEMPFAIL)."""
+EXIT_ABORTED = 3
+"""Exit status of a run that aborted (too many non-finite steps) after checkpointing."""
+
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+
+
+class StopRequest:
+    def __init__(self):
+        self.signal_name: str | None = None
+        self.received_at: float | None = None
+        self._previous = {}
+
+    def install(self) -> "StopRequest":
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+            self.received_at = time.monotonic()
+            log.warning("received %s: will checkpoint at the next safe point and exit",
+                        self.signal_name)
+
+    def request(self, reason: str) -> None:
+        """Programmatic stop (tests, the Slurm layer)."""
+        if self.signal_name is None:
+            self.signal_name, self.received_at = reason, time.monotonic()
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def seconds_left(self, grace_s: float) -> float:
+        if self.received_at is None:
+            return float("inf")
+        return grace_s - (time.monotonic() - self.received_at)
