@@ -1,0 +1,70 @@
+"""The main job: what submitit runs, locally or inside the Slurm allocation.
+
+`run_job` starts (or joins) Ray, runs the RL loop, prints the summary and returns a small dict.
+A stop signal checkpoints and raises `Requeue`, which the Slurm layer turns into a requeue and the
+local launcher into exit status EXIT_REQUEUE.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from rl.config import Config
+from rl.signals import EXIT_ABORTED, EXIT_REQUEUE, StopRequest
+
+log = logging.getLogger(__name__)
+
+
+class Requeue(Exception):
+    """The run stopped on a signal after writing a checkpoint; start it again to resume."""
+
+
+def start_local_ray(cfg: Config) -> None:
+    import ray
+    if ray.is_initialized():
+        return
+    needed = cfg.trainer.num_ranks + cfg.rollout.num_engines + 1
+    temp = Path(os.environ.get("RL_RAY_TMP", f"/tmp/rl-ray-{os.getpid()}"))
+    ray.init(num_cpus=max(os.cpu_count() or 1, needed), resources={"trainer_node": 1, "rollout_node": 1},
+             include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
+             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+
+
+def summary(cfg: Config, result) -> str:
+    run_dir = Path(result.run_dir).resolve()
+    ws = "n/a" if result.warm_start_accuracy is None else f"{result.warm_start_accuracy:.3f}"
+    fin = "n/a" if result.final_accuracy is None else f"{result.final_accuracy:.3f}"
+    lines = ["", "=" * 72, f"run {cfg.name}: {result.status} at step {result.step}/{cfg.num_steps}",
+             f"held-out greedy accuracy: warm start {ws} -> final {fin}",
+             f"run directory:  {run_dir}",
+             f"checkpoints:    {run_dir / 'checkpoints'}",
+             f"trajectories:   {run_dir / 'trajectories.h5'}  (python -m launch.inspect {run_dir})",
+             f"TensorBoard:    tensorboard --logdir {run_dir / 'tensorboard'}", "=" * 72]
+    return "\n".join(lines)
+
+
+def run_job(cfg: Config, resume: bool = True, force: bool = False) -> dict:
+    from launch.common import quiet_libraries
+    from rl.loop import run
+    quiet_libraries()
+    stop = StopRequest().install()
+    if cfg.cluster.kind == "local":
+        start_local_ray(cfg)
+    result = run(cfg, resume=resume, force=force, stop=stop)
+    print(summary(cfg, result), flush=True)
+    out = {"status": result.status, "step": result.step, "run_dir": result.run_dir,
+           "warm_start_accuracy": result.warm_start_accuracy,
+           "final_accuracy": result.final_accuracy}
+    if result.status == "stopped":
+        raise Requeue(f"stopped on {stop.signal_name} at step {result.step}; checkpoint written")
+    return out
+
+
+def main_exit_code(result_status: str) -> int:
+    return {"done": 0, "stopped": EXIT_REQUEUE, "aborted": EXIT_ABORTED}.get(result_status, 1)
+
+
+if __name__ == "__main__":  # pragma: no cover - run through launch.submit
+    sys.exit("use: python -m launch.submit CONFIG")

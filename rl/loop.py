@@ -1,0 +1,135 @@
+"""The RL driver loop: rollout -> reward -> advantage -> train -> sync -> evaluate -> checkpoint.
+
+Heavy lifting lives in the components; this file should read like the paragraph that describes
+it. `run(cfg)` returns a `RunResult`; a stop signal ends it with status "stopped" after a
+checkpoint (the caller exits with EXIT_REQUEUE).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rl.config import Config
+from rl.rollout.base import SamplingParams
+from rl.run_state import RunContext, open_run
+from rl.signals import StopRequest
+from rl.trainer.losses import grpo_advantages
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunResult:
+    status: str
+    """`done`, `stopped` (signal; checkpointed) or `aborted` (non-finite steps; checkpointed)."""
+    step: int
+    run_dir: str
+    warm_start_accuracy: float | None = None
+    final_accuracy: float | None = None
+    history: list[dict] = field(default_factory=list)
+
+
+def rollout_seed(cfg: Config, step: int) -> int:
+    """The rollout sampling seed stream: a pure function of (seed, step), so resume replays it."""
+    return (cfg.rollout.seed * 1_000_003 + step * 1_009) % (2**31 - 1)
+
+
+def run(cfg: Config, *, resume: bool = True, force: bool = False,
+        stop: StopRequest | None = None) -> RunResult:
+    stop = stop or StopRequest()
+    ctx = open_run(cfg, resume=resume, force=force)
+    try:
+        return _loop(ctx, stop)
+    finally:
+        ctx.close()
+
+
+def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
+    cfg, rt, state = ctx.cfg, ctx.runtime, ctx.state
+    result = RunResult(status="done", step=state.step, run_dir=str(ctx.run_dir),
+                       warm_start_accuracy=state.warm_start_accuracy)
+    if state.step == 0 and cfg.eval.at_start and state.warm_start_accuracy is None:
+        metrics = ctx.evaluate(step=0)
+        state.warm_start_accuracy = result.warm_start_accuracy = metrics["eval/pass1"]
+        ctx.log(0, metrics)
+    sampling = SamplingParams(n=cfg.rollout.n_samples, temperature=cfg.rollout.temperature,
+                              top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                              max_new_tokens=cfg.rollout.max_new_tokens, seed=0)
+    while state.step < cfg.num_steps and not stop.requested:
+        step = state.step + 1
+        t_step = time.perf_counter()
+        sampler_before = ctx.sampler.state_dict()
+        # 1. rollout (a dead engine is restarted, re-synced, and the rollout retried)
+        t0 = time.perf_counter()
+        indices = ctx.sampler.next_indices(cfg.algorithm.prompts_per_step)
+        groups = ctx.generate([ctx.train_prompt_ids[i] for i in indices], sampling,
+                              rollout_seed(cfg, step))
+        t_rollout = time.perf_counter() - t0
+        if stop.requested:  # abandon: nothing persistent has changed yet
+            ctx.sampler.load_state_dict(sampler_before)
+            break
+        # 2. rewards and advantages
+        t0 = time.perf_counter()
+        samples = [s for g in groups for s in g]
+        examples = [ctx.train[i] for i, g in zip(indices, groups) for _ in g]
+        parts = ctx.rewards.score([s.text for s in samples], examples)
+        rewards_G = torch.tensor(parts.total, dtype=torch.float32).view(len(groups), -1)
+        adv = grpo_advantages(rewards_G, cfg.algorithm.normalize_std).view(-1).tolist()
+        t_reward = time.perf_counter() - t0
+        # 3. train (a step that has started is finished, then checkpointed)
+        t0 = time.perf_counter()
+        batch = {"prompt_ids": [s.prompt_ids for s in samples],
+                 "response_ids": [s.response_ids for s in samples],
+                 "rollout_logprobs": [s.logprobs for s in samples], "advantages": adv}
+        train_stats = rt.train(batch, step)
+        t_train = time.perf_counter() - t0
+        bad = not math.isfinite(train_stats.get("train/loss", 0.0)) or train_stats.get(
+            "train/skipped", 0.0) > 0 or not math.isfinite(train_stats.get("train/grad_norm", 0.0))
+        state.bad_in_a_row = state.bad_in_a_row + 1 if bad else 0
+        state.skipped_steps += int(bad)
+        # 4. online weight update trainer -> rollout
+        t0 = time.perf_counter()
+        sync_stats = ctx.sync(state.weight_version + 1)
+        t_sync = time.perf_counter() - t0
+        # 5. periodic evaluation
+        t0 = time.perf_counter()
+        metrics = {}
+        if cfg.eval.every and step % cfg.eval.every == 0 or step == cfg.num_steps:
+            metrics.update(ctx.evaluate(step))
+        t_eval = time.perf_counter() - t0
+        # 6. log, trajectories, checkpoint
+        state.step = step
+        metrics.update(train_stats)
+        metrics.update(ctx.rollout_metrics(samples, parts, t_rollout))
+        metrics.update({"sync/seconds": sync_stats.get("seconds", 0.0),
+                        "sync/gbytes_per_s": sync_stats.get("gbytes_per_s", 0.0),
+                        "sync/bytes": float(sync_stats.get("bytes", 0)),
+                        "weights/version": float(state.weight_version),
+                        "faults/rollout_restarts": float(rt.restarts + state.restarts_before),
+                        "faults/skipped_steps": float(state.skipped_steps),
+                        "time/rollout": t_rollout, "time/reward": t_reward, "time/train": t_train,
+                        "time/sync": t_sync, "time/eval": t_eval,
+                        "time/step": time.perf_counter() - t_step})
+        ctx.record(step, metrics, indices, groups, parts, adv)
+        result.history.append({"step": step, **metrics})
+        if state.bad_in_a_row >= cfg.checkpoint.max_bad_steps:
+            log.error("%d non-finite steps in a row: aborting with a checkpoint", state.bad_in_a_row)
+            ctx.save_checkpoint()
+            result.status = "aborted"
+            break
+        if stop.requested or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+            ctx.save_checkpoint()
+    if stop.requested and result.status == "done":
+        if ctx.last_saved_step != state.step:
+            ctx.save_checkpoint()
+        result.status = "stopped"
+    elif result.status == "done" and ctx.last_saved_step != state.step:
+        ctx.save_checkpoint()
+    result.step = state.step
+    result.warm_start_accuracy = state.warm_start_accuracy
+    result.final_accuracy = state.last_eval.get("eval/pass1")
+    return result

@@ -1,0 +1,211 @@
+"""The `hf` rollout engine: transformers `generate`, the reference implementation and fallback.
+
+Generation is batched with left padding; sampling draws from one torch RNG stream seeded with
+`sampling.seed` for the call (forked, so the process-wide RNG is untouched). Unlike vLLM the
+draws depend on how prompts are batched together: same call, same samples; a different batch
+of prompts gives different samples for the same prompt.
+
+Log-probs are recomputed after generation by one full forward pass over prompt + response
+(`score`): the raw temperature-1 values the trainer computes (see `rl.rollout.base`), in memory
+bounded by `score_batch_tokens`, where keeping generate's per-step logits would cost
+steps x batch x vocab floats.
+
+Leaves out: continuous batching, KV-cache reuse across calls, tensor parallelism.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from rl.config import RolloutConfig
+from rl.rollout.base import (
+    Sample, SamplingParams, check_token_lists, check_version, cut_at_stop, has_tokenizer,
+    read_eos_ids, resolve_device, resolve_dtype,
+)
+from rl.rollout.hf_weights import HFWeightTargets
+from rl.rollout.weights import StreamStats, receive_stream
+
+log = logging.getLogger(__name__)
+
+
+class HFEngine:
+    """Rollout engine around an HF causal LM held in this process."""
+
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, dtype: str = "auto",
+                 device: str = "auto", score_batch_tokens: int = 16384):
+        from rl.models.loading import load_model, load_tokenizer
+
+        if cfg.quantization != "none":
+            log.warning("rollout.quantization=%s is ignored by the hf engine (it runs %s)",
+                        cfg.quantization, dtype)
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = load_model(self.model_dir, self.dtype, self.device)
+        self.tokenizer = load_tokenizer(self.model_dir) if has_tokenizer(self.model_dir) else None
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.eos_ids = read_eos_ids(self.model_dir)
+        pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
+        if pad is None:
+            pad = self.model.config.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.eos_ids or [0])[0])
+        self.score_batch_tokens = score_batch_tokens
+        self.weight_version = 0
+        self._targets = HFWeightTargets(self.model)
+        self._group = None
+
+    # ---- generation --------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams
+                 ) -> list[list[Sample]]:
+        from transformers import GenerationConfig
+
+        check_token_lists("prompt_ids", prompt_ids, self.vocab_size)
+        if not prompt_ids:
+            return []
+        stop_ids = sorted(set(self.eos_ids) | set(sampling.stop_token_ids))
+        width = max(len(p) for p in prompt_ids)
+        input_ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        for i, p in enumerate(prompt_ids):
+            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            attention[i, width - len(p):] = 1
+        # Greedy samples are all equal: decode once per prompt, then copy.
+        draws = 1 if sampling.greedy else sampling.n
+        knobs = {} if sampling.greedy else dict(
+            temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=0 if sampling.top_k == -1 else sampling.top_k)
+        gen = GenerationConfig(do_sample=not sampling.greedy,
+                               max_new_tokens=sampling.max_new_tokens, num_return_sequences=draws,
+                               eos_token_id=stop_ids or None, pad_token_id=self.pad_id, **knobs)
+        devices = []
+        if self.device.type == "cuda":
+            devices = [self.device.index if self.device.index is not None
+                       else torch.cuda.current_device()]
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(sampling.seed)
+            out = self.model.generate(input_ids=input_ids.to(self.device),
+                                      attention_mask=attention.to(self.device),
+                                      generation_config=gen)
+        stop_set = set(stop_ids)
+        cut = [cut_at_stop(row, stop_set) for row in out[:, width:].tolist()]
+        flat_prompts = [p for p in prompt_ids for _ in range(draws)]
+        logprobs = self.score(flat_prompts, [tokens for tokens, _ in cut])
+        groups = []
+        for i, p in enumerate(prompt_ids):
+            group = []
+            for k in range(sampling.n):
+                j = i * draws + (0 if sampling.greedy else k)
+                tokens, reason = cut[j]
+                group.append(Sample(prompt_ids=list(p), response_ids=list(tokens),
+                                    text=self._decode(tokens, reason), logprobs=list(logprobs[j]),
+                                    finish_reason=reason, weight_version=self.weight_version))
+            groups.append(group)
+        return groups
+
+    def _decode(self, tokens: list[int], reason: str) -> str:
+        """Text without special tokens and without the stop token (as vLLM returns it)."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(tokens[:-1] if reason == "stop" else tokens,
+                                     skip_special_tokens=True)
+
+    # ---- scoring -----------------------------------------------------------------------
+    @torch.no_grad()
+    def score(self, prompt_ids: list[list[int]], response_ids: list[list[int]]
+              ) -> list[list[float]]:
+        """Raw temperature-1 log-probs of each response token; right-padded micro-batches."""
+        if len(prompt_ids) != len(response_ids):
+            raise ValueError(f"score: {len(prompt_ids)} prompts but {len(response_ids)} responses")
+        check_token_lists("prompt_ids", prompt_ids, self.vocab_size)
+        check_token_lists("response_ids", response_ids, self.vocab_size, allow_empty=True)
+        out: list[list[float]] = [[] for _ in prompt_ids]
+        for batch in self._micro_batches([len(p) + len(r) if r else 0
+                                          for p, r in zip(prompt_ids, response_ids)]):
+            scored = self._score_batch([prompt_ids[j] for j in batch],
+                                       [response_ids[j] for j in batch])
+            for j, lp in zip(batch, scored):
+                out[j] = lp
+        return out
+
+    def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
+        """Indices grouped by length so that rows x longest row <= score_batch_tokens (0 = skip)."""
+        batches: list[list[int]] = []
+        current: list[int] = []
+        longest = 0
+        for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+            if lengths[i] == 0:
+                continue
+            if current and max(longest, lengths[i]) * (len(current) + 1) > self.score_batch_tokens:
+                batches.append(current)
+                current, longest = [], 0
+            current.append(i)
+            longest = max(longest, lengths[i])
+        if current:
+            batches.append(current)
+        return batches
+
+    def _score_batch(self, prompts: list[list[int]], responses: list[list[int]]
+                     ) -> list[list[float]]:
+        seqs = [p + r for p, r in zip(prompts, responses)]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+            mask[i, :len(s)] = 1
+        logits_BLV = self.model(input_ids=ids.to(self.device),
+                                attention_mask=mask.to(self.device)).logits
+        out = []
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            # Position t predicts token t + 1: response tokens sit at len(p) .. len(p)+len(r)-1.
+            rows = logits_BLV[i, len(p) - 1: len(p) + len(r) - 1].float()
+            lp = torch.log_softmax(rows, dim=-1)
+            target = torch.tensor(r, dtype=torch.long, device=lp.device)
+            out.append(lp.gather(-1, target[:, None]).squeeze(-1).tolist())
+        return out
+
+    # ---- weights -----------------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+                     ) -> None:
+        check_version(self.weight_version, version)
+        self._targets.load(named_tensors)
+        self.weight_version = version
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, rank: int, backend: str,
+                         timeout_s: float) -> None:
+        from rl.sync.transport import destroy, make_group
+
+        destroy(self._group)
+        device = self.device if backend == "nccl" else torch.device("cpu")
+        self._group = make_group(host, port, world_size, rank, backend, timeout_s, device=device)
+
+    def receive_weights(self, plan, version: int, verify: bool = False) -> dict:
+        if self._group is None:
+            raise RuntimeError("receive_weights before init_weight_sync")
+        check_version(self.weight_version, version)
+        stats = StreamStats()
+        t0 = time.perf_counter()
+        count = self._targets.load(receive_stream(self._group, plan, version, verify,
+                                                  self.dtype, stats))
+        self.weight_version = version
+        result = stats.as_dict()
+        result.update(loaded_tensors=count, load_seconds=time.perf_counter() - t0,
+                      weight_version=version)
+        return result
+
+    @property
+    def num_sync_ranks(self) -> int:
+        """Ranks this engine takes in the sync group."""
+        return 1
+
+    def shutdown(self) -> None:
+        from rl.sync.transport import destroy
+
+        destroy(self._group)
+        self._group = None

@@ -1,0 +1,199 @@
+"""The `vllm` rollout engine: vLLM's offline `LLM`, weights replaced in place between steps.
+
+Choices, and why:
+- The V1 engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, unless the
+  environment already says otherwise): no child processes to orphan inside a Ray actor, and
+  `collective_rpc` hands tensors to the worker by reference. Tensor parallelism still spawns
+  one worker process per GPU. In-process, vLLM seeds the process-wide RNGs with `cfg.seed`.
+- `logprobs_mode="raw_logprobs"`: returned log-probs are log_softmax of the raw logits, at
+  temperature 1 and before top-p/top-k (the convention of `rl.rollout.base`).
+- Prefix caching stays on (the n samples of a prompt share its prefill); every weight update
+  resets it so no KV computed by old weights is served.
+- `score` uses `prompt_logprobs` over prompt + response: the same forward as prefill.
+- CPU: fp32 by default (bit-for-bit close to the fp32 trainer); the KV cache is sized by
+  `cpu_kvcache_gb` through `kv_cache_memory_bytes` (the legacy `VLLM_CPU_KVCACHE_SPACE`
+  takes whole GiB only and, when set, wins).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from rl.config import ConfigError, RolloutConfig
+from rl.rollout.base import (
+    Sample, SamplingParams, check_token_lists, check_version, has_tokenizer, prompt_seeds,
+    read_eos_ids, resolve_device, resolve_dtype,
+)
+
+log = logging.getLogger(__name__)
+
+EXTENSION = "rl.rollout.vllm_ext.WeightSyncExtension"
+
+
+def engine_kwargs(model_dir: str | Path, cfg: RolloutConfig, device: torch.device,
+                  dtype: torch.dtype) -> dict:
+    """Arguments of `vllm.LLM` for this config (pure: no vLLM import, no environment change)."""
+    on_cpu = device.type == "cpu"
+    if cfg.quantization == "fp8" and on_cpu:
+        raise ConfigError("rollout.quantization: got 'fp8', expected 'none' on a CPU machine "
+                          "(vLLM's FP8 path has no CPU kernel: _C::static_scaled_fp8_quant)")
+    kwargs = dict(
+        model=str(model_dir), dtype=str(dtype).removeprefix("torch."),
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        quantization="fp8" if cfg.quantization == "fp8" else None,
+        max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
+        worker_extension_cls=EXTENSION, logprobs_mode="raw_logprobs",
+        enable_prefix_caching=True, disable_log_stats=True)
+    if has_tokenizer(model_dir):
+        kwargs["tokenizer"] = str(model_dir)
+    else:
+        kwargs["skip_tokenizer_init"] = True
+    if on_cpu:
+        kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kvcache_gb * 2**30)
+    else:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    return kwargs
+
+
+def _configure_environment(cfg: RolloutConfig) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if cfg.use_aiter:
+        if torch.version.hip:
+            os.environ.setdefault("VLLM_ROCM_USE_AITER", "1")
+        else:
+            log.warning("rollout.use_aiter=true is ignored: AITER kernels exist only on ROCm")
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        log.warning("VLLM_CPU_KVCACHE_SPACE=%s overrides rollout.cpu_kvcache_gb=%s",
+                    os.environ["VLLM_CPU_KVCACHE_SPACE"], cfg.cpu_kvcache_gb)
+
+
+class VLLMEngine:
+    """Rollout engine around one `vllm.LLM` in this process."""
+
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, dtype: str = "auto",
+                 device: str = "auto"):
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        kwargs = engine_kwargs(self.model_dir, cfg, self.device, self.dtype)
+        _configure_environment(cfg)
+        from vllm import LLM
+
+        self.llm = LLM(**kwargs)
+        self.detokenize = "tokenizer" in kwargs
+        self.eos_ids = read_eos_ids(self.model_dir)
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self.weight_version = 0
+
+    # ---- generation --------------------------------------------------------------------
+    def _vllm_params(self, sampling: SamplingParams, seed: int):
+        from vllm import SamplingParams as VSP
+
+        # vLLM refuses n > 1 with greedy sampling; greedy samples are copies anyway.
+        return VSP(n=1 if sampling.greedy else sampling.n, temperature=sampling.temperature,
+                   top_p=sampling.top_p, top_k=0 if sampling.top_k == -1 else sampling.top_k,
+                   max_tokens=sampling.max_new_tokens, seed=seed,
+                   stop_token_ids=sorted(set(self.eos_ids) | set(sampling.stop_token_ids)),
+                   logprobs=0, detokenize=self.detokenize, skip_special_tokens=True)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams
+                 ) -> list[list[Sample]]:
+        check_token_lists("prompt_ids", prompt_ids, self.vocab_size)
+        if not prompt_ids:
+            return []
+        seeds = prompt_seeds(sampling.seed, len(prompt_ids))
+        params = [self._vllm_params(sampling, s) for s in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params,
+                                 use_tqdm=False)
+        groups = []
+        for p, out in zip(prompt_ids, outs):
+            completions = sorted(out.outputs, key=lambda c: c.index)
+            if sampling.greedy:
+                completions = completions * sampling.n
+            groups.append([self._sample(p, c) for c in completions])
+        return groups
+
+    def _sample(self, prompt: list[int], c) -> Sample:
+        """A Sample from one vLLM CompletionOutput (the stop token is in token_ids, not text)."""
+        tokens = list(c.token_ids)
+        if c.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM ended a sample with finish_reason={c.finish_reason!r} "
+                               "(expected stop or length)")
+        return Sample(prompt_ids=list(prompt), response_ids=tokens, text=c.text or "",
+                      logprobs=[float(c.logprobs[j][t].logprob) for j, t in enumerate(tokens)],
+                      finish_reason=c.finish_reason, weight_version=self.weight_version)
+
+    # ---- scoring -----------------------------------------------------------------------
+    def score(self, prompt_ids: list[list[int]], response_ids: list[list[int]]
+              ) -> list[list[float]]:
+        """Raw temperature-1 log-probs of the response tokens, from `prompt_logprobs`."""
+        from vllm import SamplingParams as VSP
+
+        if len(prompt_ids) != len(response_ids):
+            raise ValueError(f"score: {len(prompt_ids)} prompts but {len(response_ids)} responses")
+        check_token_lists("prompt_ids", prompt_ids, self.vocab_size)
+        check_token_lists("response_ids", response_ids, self.vocab_size, allow_empty=True)
+        todo = [i for i, r in enumerate(response_ids) if r]
+        limit = self.cfg.max_model_len - 1  # one generated token must still fit
+        for i in todo:
+            if len(prompt_ids[i]) + len(response_ids[i]) > limit:
+                raise ValueError(f"score: prompt + response {i} has "
+                                 f"{len(prompt_ids[i]) + len(response_ids[i])} tokens; at most "
+                                 f"{limit} fit rollout.max_model_len={self.cfg.max_model_len}")
+        params = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(prompt_ids[i]) + list(response_ids[i])}
+                                  for i in todo], params, use_tqdm=False)
+        result: list[list[float]] = [[] for _ in prompt_ids]
+        for i, out in zip(todo, outs):
+            start, seq = len(prompt_ids[i]), out.prompt_token_ids
+            result[i] = [float(out.prompt_logprobs[j][seq[j]].logprob)
+                         for j in range(start, len(seq))]
+        return result
+
+    # ---- weights -----------------------------------------------------------------------
+    def _after_update(self, version: int) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update "
+                               "(requests still running?); stale KV could be served")
+        self.weight_version = version
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+                     ) -> None:
+        check_version(self.weight_version, version)
+        self.llm.collective_rpc("rl_load_weights", args=(list(named_tensors),))
+        self._after_update(version)
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, rank: int, backend: str,
+                         timeout_s: float) -> None:
+        self.llm.collective_rpc("rl_init_weight_sync",
+                                args=(host, port, world_size, rank, backend, timeout_s))
+
+    @property
+    def num_sync_ranks(self) -> int:
+        """Ranks this engine takes in the sync group: one per tensor-parallel worker."""
+        return self.cfg.tensor_parallel_size
+
+    def receive_weights(self, plan, version: int, verify: bool = False) -> dict:
+        check_version(self.weight_version, version)
+        stats = self.llm.collective_rpc("rl_receive_weights", args=(plan, version, verify))
+        self._after_update(version)
+        out = dict(stats[0])
+        out["weight_version"] = version
+        return out
+
+    def shutdown(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        try:
+            llm.collective_rpc("rl_close_weight_sync")
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            gc.collect()

@@ -1,0 +1,121 @@
+"""Methods injected into every vLLM worker (`worker_extension_cls`), called by `collective_rpc`.
+
+They run where the model lives (the engine process in-process, or each tensor-parallel worker
+process), so the weight-sync group is built here too: bytes go straight from the broadcast into
+the model, never through the engine's RPC channel.
+
+Weights go through vLLM's in-place reload (`model_runner.reload_weights`, layerwise): every
+layer is rebuilt from checkpoint-format tensors and re-processed (CPU GEMM weight packing, online
+FP8 quantisation on GPU), which a plain `model.load_weights` cannot do once the weights were
+packed (vLLM-CPU empties linear weights into oneDNN handles: `'Parameter' object has no
+attribute 'weight_loader'`). One reload must receive whole layers: a layer that gets only some of
+its tensors (q_proj without k_proj/v_proj) is processed with the rest uninitialised.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class _QuietRotaryReload(logging.Filter):
+    """Drop vLLM's per-update "RotaryEmbedding: Failed to load weights": its cos/sin cache is
+    recomputed, never loaded, and the warning on every step reads like a broken sync."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights"
+                    and record.args and record.args[0] == "RotaryEmbedding")
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+    _QuietRotaryReload())
+
+
+def _moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(checkpoint prefix, module) of every unquantized fused-MoE expert layer."""
+    out = []
+    for name, mod in model.named_modules():
+        kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
+        if kernel is not None and hasattr(mod, "w13_weight"):
+            out.append((name.removesuffix(".routed_experts"), mod))
+    return out
+
+
+def repack_cpu_moe(model: torch.nn.Module, loaded_names: set[str]) -> int:
+    """Re-run the CPU expert weight packing that vLLM-CPU 0.32 skips on reload; returns layers.
+
+    `UnquantizedFusedMoEMethod._setup_kernel` calls `fused_experts.process_weights_after_loading`
+    (CPU: `cpu_prepack_moe_weight`) only on the first load, so after `reload_weights` the experts
+    hold unpacked weights that the CPU kernel reads as packed: wrong outputs, no error. Only layers
+    that received weights in this reload are repacked (repacking twice scrambles them).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    count = 0
+    for prefix, mod in _moe_layers(model):
+        if any(n.startswith(prefix + ".") for n in loaded_names):
+            mod.quant_method.moe_kernel.fused_experts.process_weights_after_loading(mod)
+            count += 1
+    return count
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's Worker: `self.model_runner`, `self.rank`, `self.device` are its own."""
+
+    def _rl_reload(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        names: set[str] = set()
+
+        def recorded() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in named:
+                names.add(name)
+                yield name, tensor
+
+        self.model_runner.reload_weights(weights_iterator=recorded(), is_checkpoint_format=True)
+        repacked = repack_cpu_moe(self.model_runner.model, names)
+        log.debug("reloaded %d tensors; repacked %d CPU MoE layers", len(names), repacked)
+        return len(names)
+
+    def rl_load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """Load (checkpoint name, tensor) pairs; returns how many tensors were given."""
+        return self._rl_reload(named)
+
+    def rl_init_weight_sync(self, host: str, port: int, world_size: int, rank: int, backend: str,
+                            timeout_s: float) -> None:
+        """Join the sync group as rank `rank + self.rank` (tensor-parallel workers in order)."""
+        from rl.sync.transport import destroy, make_group
+
+        destroy(getattr(self, "_rl_group", None))
+        device = self.device if backend == "nccl" else torch.device("cpu")
+        self._rl_group = make_group(host, port, world_size, rank + self.rank, backend, timeout_s,
+                                    device=device)
+
+    def rl_receive_weights(self, plan, version: int, verify: bool = False) -> dict:
+        """Receive every bucket of `plan` and reload the model from them; returns stats."""
+        from rl.rollout.weights import StreamStats, receive_stream
+
+        group = getattr(self, "_rl_group", None)
+        if group is None:
+            raise RuntimeError("rl_receive_weights before rl_init_weight_sync")
+        stats = StreamStats()
+        dtype = self.model_runner.model_config.dtype
+        count = self._rl_reload(receive_stream(group, plan, version, verify, dtype, stats))
+        out = stats.as_dict()
+        out["loaded_tensors"] = count
+        return out
+
+    def rl_close_weight_sync(self) -> None:
+        from rl.sync.transport import destroy
+
+        destroy(getattr(self, "_rl_group", None))
+        self._rl_group = None
+
+    def rl_weight_digest(self) -> float:
+        """Sum of |w| over parameters (diagnostics: did anything change?)."""
+        with torch.no_grad():
+            return float(sum(p.detach().abs().sum().item()
+                             for p in self.model_runner.model.parameters()))

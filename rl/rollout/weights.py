@@ -1,0 +1,77 @@
+"""Turning a weight-sync stream into the (name, tensor) pairs an engine loads.
+
+Shared by the HF engine and the vLLM worker extension: both receive buckets through
+`rl.sync.transport.receive_buckets` and feed one flat stream of named tensors to their loader,
+so a bucket is released as soon as its tensors are copied (memory stays at about one bucket plus
+what the loader holds back until a layer is complete).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+from rl.quant.wire import scale_name, unpack_fp8_from_wire
+
+_SCALE_SUFFIX = scale_name("")  # "_scale_inv"
+
+
+@dataclass(slots=True)
+class StreamStats:
+    bytes: int = 0
+    num_tensors: int = 0
+    t0: float = 0.0
+
+    def as_dict(self) -> dict:
+        seconds = time.perf_counter() - self.t0
+        return {"bytes": self.bytes, "num_tensors": self.num_tensors, "seconds": seconds,
+                "gbytes_per_s": self.bytes / max(seconds, 1e-9) / 1e9}
+
+
+def decode_wire(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantise FP8-on-the-wire pairs (`x` as uint8 bytes + `x_scale_inv`) into `dtype`.
+
+    See `rl.quant.wire`. Everything else passes through unchanged, in order; a pair is yielded
+    when its second half arrives (the halves may sit in different buckets). A `_scale_inv`
+    whose weight is not uint8 (a real FP8 checkpoint tensor) passes through at the end.
+    Raises ValueError for uint8 weights whose scale never arrives.
+    """
+    weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, t in named:
+        if name.endswith(_SCALE_SUFFIX):
+            base = name[: -len(_SCALE_SUFFIX)]
+            if base in weights:
+                yield base, unpack_fp8_from_wire(weights.pop(base), t, dtype=dtype)
+            else:
+                scales[base] = t
+        elif t.dtype == torch.uint8:
+            if name in scales:
+                yield name, unpack_fp8_from_wire(t, scales.pop(name), dtype=dtype)
+            else:
+                weights[name] = t
+        else:
+            yield name, t
+    if weights:
+        raise ValueError(f"FP8 wire weights arrived without their scales: {sorted(weights)[:5]}")
+    for base, t in scales.items():
+        yield base + _SCALE_SUFFIX, t
+
+
+def receive_stream(group, plan, version: int, verify: bool, dtype: torch.dtype,
+                   stats: StreamStats) -> Iterator[tuple[str, torch.Tensor]]:
+    """Named tensors of every bucket of `plan`, decoded; counts bytes into `stats` as it goes."""
+    from rl.sync.transport import receive_buckets
+
+    stats.t0 = time.perf_counter()
+
+    def raw() -> Iterator[tuple[str, torch.Tensor]]:
+        for i, bucket in enumerate(receive_buckets(group, plan, version=version, verify=verify)):
+            stats.bytes += plan.buckets[i].nbytes
+            stats.num_tensors += len(bucket)
+            yield from bucket
+
+    return decode_wire(raw(), dtype)

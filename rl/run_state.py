@@ -1,0 +1,263 @@
+"""Everything a run holds besides the loop itself: run directory, data, rewards, the runtime,
+logging, trajectories, checkpoints, and resume.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from rl.checkpoint import CheckpointManager
+from rl.config import Config, ConfigError, config_hash, save_config, to_dict
+from rl.data.datasets import build_datasets, format_prompt
+from rl.data.sampler import PromptSampler
+from rl.evaluate import evaluate
+from rl.metrics.tensorboard import MetricsLogger
+from rl.metrics.trajectories import TrajectoryWriter
+from rl.rewards.computer import RewardComputer
+from rl.runtime import ActorDied, Runtime
+
+log = logging.getLogger(__name__)
+
+# Keys that may change between a run and its resume without changing what it computes.
+RESUME_IGNORED = ("name", "output_dir", "num_steps", "eval", "logging", "checkpoint", "cluster",
+                  "sync.timeout_s", "sync.bucket_mb", "sync.verify", "trainer.torch_threads",
+                  "rollout.cpu_kvcache_gb", "sft")
+
+
+@dataclass(slots=True)
+class DriverState:
+    step: int = 0
+    weight_version: int = 0
+    warm_start_accuracy: float | None = None
+    last_eval: dict = field(default_factory=dict)
+    skipped_steps: int = 0
+    bad_in_a_row: int = 0
+    restarts_before: int = 0
+    """Engine restarts in earlier lives of this run (before the last resume)."""
+    reward_failures_before: int = 0
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_differences(old: dict, new: dict) -> list[str]:
+    a, b = _flatten(old), _flatten(new)
+    keys = sorted(set(a) | set(b))
+    ignored = lambda k: any(k == p or k.startswith(p + ".") for p in RESUME_IGNORED)  # noqa: E731
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k) and not ignored(k)]
+
+
+def resume_hash(cfg: Config) -> str:
+    flat = {k: v for k, v in _flatten(to_dict(cfg)).items()
+            if not any(k == p or k.startswith(p + ".") for p in RESUME_IGNORED)}
+    import hashlib
+    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def setup_logging(run_dir: Path) -> None:
+    root = logging.getLogger()
+    if not any(isinstance(h, logging.FileHandler) and h.baseFilename == str(run_dir / "driver.log")
+               for h in root.handlers):
+        fh = logging.FileHandler(run_dir / "driver.log")
+        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(fh)
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+
+
+class RunContext:
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.state = DriverState()
+        self.last_saved_step: int | None = None
+        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
+        from rl.models.loading import load_tokenizer
+        from rl.sft import warm_start_dir
+        self.model_dir = warm_start_dir(cfg)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.train, self.eval_set = build_datasets(cfg.data, cfg.seed)
+        self.eval_set = self.eval_set[: cfg.eval.num_prompts]
+        self.train_prompt_ids = self._tokenize(self.train)
+        self.eval_prompt_ids = self._tokenize(self.eval_set)
+        self.sampler = PromptSampler(len(self.train), cfg.seed, cfg.data.shuffle)
+        self.rewards = RewardComputer(cfg.reward)
+        self.eval_rewards = RewardComputer(cfg.reward)
+        self.runtime: Runtime | None = None
+        self.metrics: MetricsLogger | None = None
+        self.trajectories: TrajectoryWriter | None = None
+
+    def _tokenize(self, examples) -> list[list[int]]:
+        out = []
+        for ex in examples:
+            text = format_prompt(ex, self.tokenizer, self.cfg.data)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if self.tokenizer.bos_token_id is not None:
+                ids = [self.tokenizer.bos_token_id] + ids
+            out.append(ids[-self.cfg.data.max_prompt_tokens:])
+        return out
+
+    # ---- startup ---------------------------------------------------------------------------
+    def start(self, resume: bool, force: bool) -> None:
+        cfg = self.cfg
+        found = self.ckpt.latest() if resume else None
+        opt_steps = cfg.num_steps * cfg.trainer.ppo_epochs * cfg.trainer.num_mini_batches
+        self.runtime = Runtime(cfg, str(self.model_dir), total_optimizer_steps=opt_steps)
+        purge = None
+        if found is not None:
+            path, manifest = found
+            if manifest.get("config_hash") != resume_hash(cfg) and not force:
+                raise ConfigError(f"{self.run_dir}: refusing to resume from {path.name}: the config "
+                                  "differs in keys that matter (see above; pass --force to override)")
+            self.runtime.load(str(path / "trainer"), "ds")
+            driver = torch.load(path / "driver.pt", weights_only=False)
+            self.state = DriverState(**driver["state"])
+            self.sampler.load_state_dict(driver["sampler"])
+            random.setstate(driver["python_rng"])
+            torch.set_rng_state(driver["torch_rng"])
+            self.rewards.failures = self.state.reward_failures_before
+            self.last_saved_step = self.state.step
+            purge = self.state.step + 1
+            log.info("resumed from %s (step %d, weight version %d)", path, self.state.step,
+                     self.state.weight_version)
+            print(f"resuming {self.run_dir} from checkpoint step {self.state.step}", flush=True)
+        self.metrics = MetricsLogger(self.run_dir, enabled=cfg.logging.tensorboard, purge_step=purge)
+        if cfg.logging.hdf5:
+            self.trajectories = TrajectoryWriter(self.run_dir / "trajectories.h5")
+            if found is not None:
+                self.trajectories.truncate(self.state.step)
+        self._truncate_metrics_jsonl(self.state.step)
+        # Engines start from the model directory: bring them to the trainer's exact weights.
+        self.sync(self.state.weight_version, bump=False)
+
+    def _truncate_metrics_jsonl(self, step: int) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            keep = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in keep))
+
+    # ---- verbs the loop uses -----------------------------------------------------------------
+    def generate(self, prompt_ids, sampling, seed, retries: int = 2):
+        for attempt in range(retries + 1):
+            try:
+                return self.runtime.generate(prompt_ids, sampling, seed)
+            except ActorDied as e:
+                if attempt == retries:
+                    raise
+                log.warning("rollout failed (%s); restarting engines and retrying", e)
+                self.runtime.restart_dead_engines(self.state.weight_version)
+
+    def sync(self, version: int, bump: bool = True) -> dict:
+        stats = self.runtime.sync(version)
+        self.state.weight_version = version
+        return stats
+
+    def evaluate(self, step: int) -> dict:
+        cfg = self.cfg
+        metrics = evaluate(self.runtime, self.eval_prompt_ids, self.eval_set, self.eval_rewards,
+                           self.tokenizer, cfg.rollout.max_new_tokens, cfg.eval.pass_k,
+                           cfg.eval.pass_k_temperature, seed=10_007 + step)
+        self.state.last_eval = metrics
+        return metrics
+
+    def rollout_metrics(self, samples, parts, seconds: float) -> dict:
+        total = parts.total
+        lengths = [len(s.response_ids) for s in samples]
+        return {"reward/mean": statistics.fmean(total),
+                "reward/std": statistics.pstdev(total) if len(total) > 1 else 0.0,
+                "reward/failures": float(self.rewards.failures),
+                "rollout/accuracy": sum(c >= 1.0 for c in parts.correctness) / len(samples),
+                "rollout/response_length": statistics.fmean(lengths),
+                "rollout/tokens_per_s": sum(lengths) / max(seconds, 1e-9)}
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.metrics.log(step, metrics)
+        self.metrics.flush()
+
+    def record(self, step, metrics, indices, groups, parts, adv) -> None:
+        self.log(step, metrics)
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.trajectories is not None:
+            samples = [s for g in groups for s in g]
+            self.trajectories.append(
+                step=step, weight_version=[s.weight_version for s in samples],
+                prompt_index=[i for i, g in zip(indices, groups) for _ in g],
+                prompt_ids=[s.prompt_ids for s in samples],
+                response_ids=[s.response_ids for s in samples],
+                rollout_logprobs=[s.logprobs for s in samples], reward=parts.total, advantage=adv,
+                finish_reason=[s.finish_reason for s in samples])
+        print(format_step(self.cfg, step, metrics), flush=True)
+
+    def save_checkpoint(self) -> Path:
+        state = self.state
+        state.restarts_before += self.runtime.restarts
+        self.runtime.restarts = 0
+        state.reward_failures_before = self.rewards.failures
+
+        def payload(tmp: Path) -> None:
+            self.runtime.save(str(tmp / "trainer"), "ds", {"step": state.step})
+            torch.save({"state": asdict(state), "sampler": self.sampler.state_dict(),
+                        "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()},
+                       tmp / "driver.pt")
+
+        path = self.ckpt.save(state.step, state.weight_version, resume_hash(self.cfg), payload)
+        self.last_saved_step = state.step
+        return path
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.runtime is not None:
+            self.runtime.shutdown()
+
+
+def format_step(cfg: Config, step: int, m: dict) -> str:
+    parts = [f"step {step:>4}/{cfg.num_steps}",
+             f"reward {m.get('reward/mean', 0):.3f}", f"acc {m.get('rollout/accuracy', 0):.3f}",
+             f"len {m.get('rollout/response_length', 0):.1f}", f"loss {m.get('train/loss', 0):+.4f}",
+             f"kl {m.get('train/approx_kl', 0):.4f}", f"gnorm {m.get('train/grad_norm', 0):.3f}",
+             f"sync {m.get('sync/seconds', 0):.2f}s"]
+    if "eval/pass1" in m:
+        parts.append(f"EVAL pass@1 {m['eval/pass1']:.3f}")
+    parts.append(f"{m.get('time/step', 0):.1f}s")
+    return " | ".join(parts)
+
+
+def open_run(cfg: Config, resume: bool = True, force: bool = False) -> RunContext:
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(run_dir)
+    saved = run_dir / "config.yaml"
+    if saved.exists() and resume:
+        old = yaml.safe_load(saved.read_text())
+        diffs = config_differences(old, to_dict(cfg))
+        if diffs and not force:
+            raise ConfigError(f"{saved}: this run directory holds a run with a different config "
+                              f"({'; '.join(diffs)}); use a new name or pass --force")
+        if diffs:
+            log.warning("resuming despite config differences (--force): %s", "; ".join(diffs))
+    save_config(cfg, saved)
+    ctx = RunContext(cfg, run_dir)
+    try:
+        ctx.start(resume, force)
+    except BaseException:
+        ctx.close()
+        raise
+    return ctx

@@ -1,0 +1,230 @@
+"""The two worker groups and the wiring between them, as the driver sees them.
+
+`Runtime` owns N trainer ranks and M rollout engines (Ray actors, or plain processes where Ray is
+absent), the weight-sync group joining trainer rank 0 with every engine, and fault handling for
+engines (a dead engine is restarted and re-synced; the caller retries its work).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from rl.cluster.actors import ActorDied, wait_all
+from rl.cluster.groups import GroupSpec, free_port, make_layout, start_proc_group, start_ray_group
+from rl.config import Config
+from rl.rollout.base import Sample, SamplingParams
+from rl.trainer.worker import RankInfo, TrainerWorker
+
+log = logging.getLogger(__name__)
+
+
+class EngineHost:
+    """Builds the configured engine inside the actor process and forwards the driver's calls."""
+
+    def __init__(self, kind: str, model_dir: str, cfg, dtype: str, device: str, index: int,
+                 verify: bool = False):
+        from rl.rollout import create_engine
+        self.index, self.verify = index, verify
+        self.engine = create_engine(kind, model_dir, cfg, dtype=dtype, device=device)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[list[Sample]]:
+        return self.engine.generate(prompt_ids, sampling)
+
+    def score(self, prompt_ids, response_ids):
+        return self.engine.score(prompt_ids, response_ids)
+
+    def init_weight_sync(self, host, port, world_size, rank, backend, timeout_s):
+        return self.engine.init_weight_sync(host, port, world_size, rank, backend, timeout_s)
+
+    def receive_weights(self, plan, version: int) -> dict:
+        return self.engine.receive_weights(plan, version, verify=self.verify)
+
+    def num_sync_ranks(self) -> int:
+        return getattr(self.engine, "num_sync_ranks", 1)
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+@dataclass(slots=True)
+class Placement:
+    backend: str
+    """`ray` or `proc`."""
+    trainer_device: str
+    engine_device: str
+
+
+def choose_placement(cfg: Config) -> Placement:
+    import torch
+    backend = "ray"
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        backend = "proc"
+    cuda = torch.cuda.is_available() and cfg.trainer.device != "cpu"
+    return Placement(backend, "cuda" if cuda else "cpu", "cuda" if cuda else "cpu")
+
+
+class Runtime:
+    def __init__(self, cfg: Config, model_dir: str, total_optimizer_steps: int,
+                 placement: Placement | None = None):
+        self.cfg, self.model_dir = cfg, model_dir
+        self.placement = placement or choose_placement(cfg)
+        self.total_optimizer_steps = total_optimizer_steps
+        gpus = 1 if self.placement.trainer_device == "cuda" else 0
+        egpus = cfg.rollout.tensor_parallel_size if self.placement.engine_device == "cuda" else 0
+        self.trainer_spec, self.rollout_spec = make_layout(
+            cfg.trainer.num_ranks, cfg.rollout.num_engines, gpus, egpus)
+        self._pgs = []
+        self.restarts = 0
+        t0 = time.perf_counter()
+        self.trainers = self._start(self.trainer_spec, TrainerWorker, self._trainer_args)
+        self.engines = self._start(self.rollout_spec, EngineHost, self._engine_args)
+        wait_all([a.ready for a in self.trainers + self.engines if hasattr(a, "ready")])
+        wait_all([a.call("ping") for a in self.trainers] + [e.call("pid") for e in self.engines])
+        self.plan = self.trainers[0].call("sync_plan").result()
+        self._connect_sync()
+        log.info("runtime ready in %.1fs: %d trainer ranks, %d engines (%s)", time.perf_counter() - t0,
+                 len(self.trainers), len(self.engines), self.placement.backend)
+
+    # ---- construction --------------------------------------------------------------------
+    def _trainer_args(self, i: int):
+        if not hasattr(self, "_master"):
+            self._master = ("127.0.0.1", free_port())
+        info = RankInfo(rank=i, world_size=self.cfg.trainer.num_ranks,
+                        master_addr=self._master[0], master_port=self._master[1])
+        return ((self.cfg.trainer, self.cfg.algorithm, self.cfg.sync, self.model_dir,
+                 self.cfg.model.dtype, info, self.cfg.seed, self.total_optimizer_steps), {})
+
+    def _engine_args(self, i: int):
+        dtype = "float32" if self.placement.engine_device == "cpu" else "bfloat16"
+        return ((self.cfg.rollout.engine, self.model_dir, self.cfg.rollout, dtype,
+                 self.placement.engine_device, i, self.cfg.sync.verify), {})
+
+    def _start(self, spec: GroupSpec, cls, args_for):
+        env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", ""),
+               "OMP_NUM_THREADS": str(self.cfg.trainer.torch_threads),
+               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+               "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        env = {k: v for k, v in env.items() if v}
+        if self.placement.backend == "ray":
+            actors, pg = start_ray_group(spec, cls, args_for, self.cfg.cluster.placement_timeout_s, env)
+            self._pgs.append(pg)
+            return actors
+        return start_proc_group(spec, cls, args_for, env)
+
+    def _connect_sync(self) -> None:
+        """(Re)build the weight group: trainer rank 0 is rank 0; the engines follow, each taking
+        as many ranks as it has workers (tensor parallel engines receive on every worker)."""
+        host, port = self.trainers[0].call("sync_address").result()
+        sizes = wait_all([e.call("num_sync_ranks") for e in self.engines])
+        world = 1 + sum(sizes)
+        backend = self.cfg.sync.backend
+        if backend == "auto":
+            backend = "nccl" if self.placement.engine_device == "cuda" else "gloo"
+        futures = [self.trainers[0].call("init_weight_sync", host, port, world)]
+        first = 1
+        for e, size in zip(self.engines, sizes):
+            futures.append(e.call("init_weight_sync", host, port, world, first, backend,
+                                  self.cfg.sync.timeout_s))
+            first += size
+        wait_all(futures, timeout=self.cfg.sync.timeout_s + 30)
+
+    # ---- the driver's verbs ----------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
+                 ) -> list[list[Sample]]:
+        """Split prompts evenly over engines (in order); engine i samples with seed + i."""
+        m = len(self.engines)
+        chunks = [prompt_ids[i::m] for i in range(m)]
+        futures = []
+        for i, (engine, chunk) in enumerate(zip(self.engines, chunks)):
+            if chunk:
+                sp = dataclasses.replace(sampling, seed=seed + i)
+                futures.append((i, engine.call("generate", chunk, sp)))
+        per_engine = {i: f.result() for i, f in futures}
+        out: list[list[Sample]] = [None] * len(prompt_ids)  # type: ignore[list-item]
+        for i in per_engine:
+            for j, samples in enumerate(per_engine[i]):
+                out[i + j * m] = samples
+        return out
+
+    def train(self, batch: dict, step: int) -> dict:
+        return wait_all([t.call("train_step", batch, step) for t in self.trainers])[0]
+
+    def sync(self, version: int) -> dict:
+        """Broadcast the trainer's weights to every engine; returns trainer-side stats."""
+        futures = [t.call("send_weights", version) for t in self.trainers]
+        futures += [e.call("receive_weights", self.plan, version) for e in self.engines]
+        results = wait_all(futures, timeout=self.cfg.sync.timeout_s + 60)
+        return results[0]
+
+    def score_trainer(self, prompt_ids, response_ids) -> list[list[float]]:
+        return wait_all([t.call("score", prompt_ids, response_ids) for t in self.trainers])[0]
+
+    def score_engines(self, prompt_ids, response_ids) -> list[list[list[float]]]:
+        return wait_all([e.call("score", prompt_ids, response_ids) for e in self.engines])
+
+    def engine_versions(self) -> list[int]:
+        return wait_all([e.call("weight_version") for e in self.engines])
+
+    def save(self, path: str, tag: str, client_state: dict) -> None:
+        wait_all([t.call("save", path, tag, client_state) for t in self.trainers])
+
+    def load(self, path: str, tag: str) -> dict:
+        return wait_all([t.call("load", path, tag) for t in self.trainers])[0]
+
+    # ---- faults ----------------------------------------------------------------------------
+    def restart_dead_engines(self, version: int) -> int:
+        """Replace engines that no longer answer, rebuild the sync group, re-send `version`."""
+        dead = []
+        for i, e in enumerate(self.engines):
+            try:
+                e.call("pid").result(timeout=30)
+            except Exception:  # noqa: BLE001 - any failure to answer means replace it
+                dead.append(i)
+        if not dead:
+            return 0
+        log.warning("rollout engines %s died; restarting and re-syncing weights v%d", dead, version)
+        for i in dead:
+            self.engines[i].kill()
+            spec = GroupSpec(self.rollout_spec.name, 1, self.rollout_spec.bundle)
+            (new,) = self._start(spec, EngineHost, lambda _k, i=i: self._engine_args(i))
+            if hasattr(new, "ready"):
+                new.ready.result()
+            self.engines[i] = new
+        self.trainers[0].call("close_weight_sync").result()
+        self._connect_sync()
+        self.sync(version)
+        self.restarts += len(dead)
+        return len(dead)
+
+    def kill_engine(self, i: int) -> None:
+        """For fault-injection tests: kill engine i's process."""
+        self.engines[i].kill()
+
+    def shutdown(self) -> None:
+        for a in self.engines + self.trainers:
+            try:
+                a.call("shutdown").result(timeout=30)
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+            if hasattr(a, "close"):
+                a.close()
+            else:
+                a.kill()
+        if self._pgs:
+            from ray.util.placement_group import remove_placement_group
+            for pg in self._pgs:
+                remove_placement_group(pg)
+
+
+ActorDied = ActorDied  # re-exported for the loop

@@ -1,0 +1,136 @@
+"""SFT warm start: teach the tiny preset the synthetic task's format so RL has signal.
+
+Deliberately simple: one process, plain AdamW, teacher forcing on `<bos> prompt answer <eos>` with
+the loss on the answer and EOS only. The result is cached under `sft.cache_dir`, keyed by
+everything that determines it, and reused by later runs (the RL loop starts from it when
+`model.warm_start` is true).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import random
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from rl.config import Config, to_dict
+from rl.data.datasets import build_datasets, format_prompt
+from rl.models.loading import load_model, load_tokenizer, resolve_model_dir
+from rl.models.presets import save_model
+
+log = logging.getLogger(__name__)
+
+
+def _key(cfg: Config) -> str:
+    blob = json.dumps({"model": to_dict(cfg.model), "data": to_dict(cfg.data),
+                       "sft": {k: v for k, v in to_dict(cfg.sft).items() if k != "cache_dir"},
+                       "seed": cfg.seed, "format": 1}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def sft_dir(cfg: Config) -> Path:
+    name = cfg.model.preset if cfg.model.path is None else Path(cfg.model.path).name
+    return Path(cfg.sft.cache_dir) / f"{name}-{_key(cfg)}"
+
+
+def warm_start_dir(cfg: Config) -> Path:
+    """The model directory RL starts from (the SFT result when `model.warm_start`)."""
+    if not cfg.model.warm_start:
+        return resolve_model_dir(cfg.model)
+    out = sft_dir(cfg)
+    if (out / "config.json").is_file():
+        return out
+    run_sft(cfg)
+    return out
+
+
+def _encode(tok, cfg: Config, examples) -> list[tuple[list[int], list[int]]]:
+    out = []
+    for ex in examples:
+        prompt = tok(format_prompt(ex, tok, cfg.data), add_special_tokens=False)["input_ids"]
+        answer = tok(ex.answer, add_special_tokens=False)["input_ids"]
+        out.append(([tok.bos_token_id] + prompt, answer + [tok.eos_token_id]))
+    return out
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tok, cfg: Config, examples, max_new_tokens: int, batch_size: int = 256
+                    ) -> float:
+    """Greedy pass@1 with exact integer/string match of the decoded answer."""
+    from rl.rewards.computer import RewardComputer
+    rewards = RewardComputer(cfg.reward)
+    model.eval()
+    correct = 0.0
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start:start + batch_size]
+        prompts = [p for p, _ in _encode(tok, cfg, chunk)]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id)
+        texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
+        correct += sum(c >= 1.0 for c in rewards.score(texts, chunk).correctness)
+    return correct / max(len(examples), 1)
+
+
+def run_sft(cfg: Config) -> tuple[Path, float]:
+    """Train, evaluate, save atomically into `sft_dir(cfg)`; returns (dir, greedy eval accuracy)."""
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(f"sft:{cfg.seed}")
+    base = resolve_model_dir(cfg.model)
+    tok = load_tokenizer(base)
+    model = load_model(base, torch.float32).train()
+    train, evals = build_datasets(cfg.data, cfg.seed)
+    data = _encode(tok, cfg, train)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
+    s = cfg.sft
+
+    def lr_at(step: int) -> float:
+        if step < s.warmup_steps:
+            return (step + 1) / s.warmup_steps
+        return 0.5 * (1 + math.cos(math.pi * (step - s.warmup_steps) / max(s.steps - s.warmup_steps, 1)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    print(f"SFT warm start: {s.steps} steps x {s.batch_size} examples on {len(train)} prompts "
+          f"(model {base})", flush=True)
+    t0 = time.perf_counter()
+    for step in range(s.steps):
+        batch = [data[rng.randrange(len(data))] for _ in range(s.batch_size)]
+        width = max(len(p) + len(a) for p, a in batch)
+        ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
+        labels = torch.full_like(ids, -100)
+        for i, (p, a) in enumerate(batch):
+            ids[i, :len(p) + len(a)] = torch.tensor(p + a)
+            labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
+        loss = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tok.pad_token_id),
+                     labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if (step + 1) % 50 == 0 or step == 0:
+            print(f"  sft step {step + 1:>4}/{s.steps}  loss {loss.item():.4f}  "
+                  f"{time.perf_counter() - t0:.0f}s", flush=True)
+    accuracy = greedy_accuracy(model, tok, cfg, evals[: cfg.eval.num_prompts], cfg.rollout.max_new_tokens)
+    out = sft_dir(cfg)
+    tmp = out.with_name(f".tmp-{out.name}-{uuid.uuid4().hex[:6]}")
+    tmp.mkdir(parents=True)
+    save_model(model, tmp)  # the layout both HF and vLLM read (original names for DeepSeek-V4)
+    tok.save_pretrained(tmp)
+    (tmp / "sft.json").write_text(json.dumps({"eval_accuracy": accuracy, "steps": s.steps,
+                                              "base": str(base)}, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    print(f"SFT done in {time.perf_counter() - t0:.0f}s: greedy eval accuracy {accuracy:.3f} "
+          f"-> {out}", flush=True)
+    return out, accuracy

