@@ -45,14 +45,28 @@ def summary(cfg: Config, result) -> str:
     return "\n".join(lines)
 
 
+def lifecycle(cfg: Config, event: str, **fields) -> None:
+    """Append one event (start / stopped / requeued / done) to RUN_DIR/lifecycle.jsonl."""
+    import json
+    import time
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    with open(cfg.run_dir / "lifecycle.jsonl", "a") as f:
+        f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+
+
 def run_job(cfg: Config, resume: bool = True, force: bool = False) -> dict:
     from launch.common import quiet_libraries
     from rl.loop import run
     quiet_libraries()
     stop = StopRequest().install()
+    restart_count = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    lifecycle(cfg, "start", restart_count=restart_count, job_id=os.environ.get("SLURM_JOB_ID"))
+    if restart_count:
+        print(f"restart {restart_count} of Slurm job {os.environ.get('SLURM_JOB_ID')}", flush=True)
     if cfg.cluster.kind == "local":
         start_local_ray(cfg)
     result = run(cfg, resume=resume, force=force, stop=stop)
+    lifecycle(cfg, result.status, step=result.step, reason=stop.signal_name)
     print(summary(cfg, result), flush=True)
     out = {"status": result.status, "step": result.step, "run_dir": result.run_dir,
            "warm_start_accuracy": result.warm_start_accuracy,

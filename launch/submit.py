@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_or_exit(args.config, args.overrides)
     if cfg.cluster.kind == "local":
         return run_local(cfg, args)
+    if not args.no_plan_check:  # Slurm only: a local CPU run has no GPU budget to check
+        from launch.plan import check_or_exit
+        check_or_exit(cfg, args.config)
     try:
         from slurm.submit import submit_slurm
     except ImportError as e:

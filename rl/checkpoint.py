@@ -92,6 +92,9 @@ class CheckpointManager:
         tmp = self.root / f".tmp-{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         write_payload(tmp)
+        # Fault injection for the crash-during-checkpoint test: a window in which the payload is on
+        # disk but the checkpoint is not complete yet.
+        time.sleep(float(os.environ.get("RL_FAULT_CHECKPOINT_SLEEP_S", "0") or 0))
         manifest = {"format": FORMAT_VERSION, "step": step, "weight_version": weight_version,
                     "config_hash": config_hash, "versions": software_versions(),
                     "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),

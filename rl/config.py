@@ -161,10 +161,24 @@ class RolloutConfig:
     """ROCm only: turn on vLLM's AITER kernels (VLLM_ROCM_USE_AITER and friends)."""
     cpu_kvcache_gb: float = 1.0
     seed: int = 1234
+    max_batch_size: int = 256
+    """`native`: sequences decoded together; the static KV cache holds this many x max_model_len
+    (allocated as needed, in power-of-two batch buckets). Larger requests run in chunks."""
+    cuda_graphs: bool = True
+    """`native`: replay each decode step from a CUDA graph (one per batch bucket); off = eager."""
+    fp8_keep_bf16: list[str] | None = None
+    """`native` with quantization fp8: name patterns of linear weights kept in BF16 (glob, or
+    're:REGEX'); null = rl.quant.DEFAULT_KEEP_BF16. Embeddings, LM head, router, norms are
+    always BF16 in the native engine."""
+    fp8_pow2_scales: bool = False
+    """`native` with quantization fp8: round block scales up to powers of two."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_engines", "tensor_parallel_size", "n_samples", "max_new_tokens",
-                  "max_model_len", "cpu_kvcache_gb")
+                  "max_model_len", "cpu_kvcache_gb", "max_batch_size")
+        if self.fp8_keep_bf16 is not None:
+            _check(all(isinstance(p, str) and p and p != "re:" for p in self.fp8_keep_bf16),
+                   "fp8_keep_bf16", self.fp8_keep_bf16, "null or a list of non-empty patterns")
         _check(self.temperature >= 0, "temperature", self.temperature, "a value >= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "a value in (0, 1]")
         _check(self.top_k == -1 or self.top_k > 0, "top_k", self.top_k, "-1 (off) or > 0")
@@ -229,13 +243,22 @@ class SyncConfig:
     bucket_mb: float = 64.0
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     wire_dtype: Literal["native", "fp8"] = "native"
-    """`fp8`: quantise on send (block FP8 + scales on the wire); `native`: the trainer dtype."""
+    """`fp8`: quantise on send (block FP8 + scales on the wire, ~half of BF16's bytes); `native`:
+    the trainer dtype on the wire, and an FP8 rollout engine (`native` with quantization fp8)
+    quantises on receive."""
+    wire_keep_bf16: list[str] | None = None
+    """With wire_dtype fp8: parameter-name patterns sent unquantised (glob or 're:REGEX');
+    null = rl.quant.DEFAULT_KEEP_BF16 (embeddings, LM head, routers, norms)."""
     verify: bool = False
     """Checksum every bucket and fail loudly on mismatch."""
     timeout_s: float = 300.0
+    check_logprobs: bool = False
+    """After every sync, score a fixed probe sequence on the trainer and every engine and fail if
+    they differ by more than `check_logprobs_tol` (logged as `sync/logprob_max_diff`)."""
+    check_logprobs_tol: float = 1e-3
 
     def __post_init__(self) -> None:
-        _positive(self, "bucket_mb", "timeout_s")
+        _positive(self, "bucket_mb", "timeout_s", "check_logprobs_tol")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -326,6 +349,47 @@ class SftConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class PlanConfig:
+    """Inputs of the memory planner (`python -m launch.plan`, checked by `launch.submit`).
+
+    Memory sizes are GiB (2**30 bytes). The offload and checkpointing fields describe what the
+    trainer runs; the planner reads them to predict per-GPU and per-node memory.
+    """
+    gpu_memory_gb: float = 140.0
+    """Memory of one GPU: H200 140 (141 GB nominal; CUDA reports ~139.8 GiB), H100 79, MI300X 192."""
+    host_memory_gb: float = 2048.0
+    """RAM of one trainer node usable for offloaded state (DGX H200: 2 TiB). If
+    `cluster.trainer.mem_gb` is set, the smaller of the two is used (Slurm caps the job there)."""
+    nvme_gb: float = 0.0
+    """Local NVMe of one trainer node for `optimizer_offload: nvme` (DGX H200: 8 x 3.84 TB ~ 27900)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward (transformers' gradient checkpointing)."""
+    optimizer_offload: Literal["none", "cpu", "nvme"] = "none"
+    """DeepSpeed `offload_optimizer` device: fp32 master weights, Adam moments and gradient
+    partitions in host RAM (`cpu`) or on local NVMe (`nvme`, ZeRO-Infinity). Needs zero_stage >= 1."""
+    param_offload: Literal["none", "cpu"] = "none"
+    """DeepSpeed `offload_param` (ZeRO-3 only): the bf16 parameter partition lives in host RAM."""
+    attention_kernel: Literal["auto", "eager", "fused"] = "auto"
+    """The trainer's attention kernel for the activation estimate. `auto`: what transformers runs
+    (eager for deepseek_v4, whose (heads x S x S) scores are counted; SDPA otherwise). `fused`:
+    an O(S)-memory kernel (flash-style)."""
+    kv_cache_dtype: Literal["bfloat16", "fp8"] = "bfloat16"
+    """The rollout engine's KV-cache dtype (vLLM's default `auto` is the model dtype, bfloat16)."""
+    overhead_gb: float = 5.0
+    """Per-GPU memory outside the estimate: CUDA context, NCCL buffers, allocator slack; on the
+    rollout side also vLLM's profiled activation peak and CUDA graphs."""
+    model_config: str | None = None
+    """A config.json to plan with when `model.path` is not present on this machine (the
+    planner reads only config.json, never weights)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "gpu_memory_gb", "host_memory_gb")
+        _non_negative(self, "nvme_gb", "overhead_gb")
+        _check(self.model_config is None or bool(self.model_config), "model_config",
+               self.model_config, "null or a path to a config.json")
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     name: str = "run"
     output_dir: str = "checkpoints"
@@ -344,6 +408,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     sft: SftConfig = field(default_factory=SftConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     def __post_init__(self) -> None:
         _non_negative(self, "num_steps")

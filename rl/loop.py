@@ -85,7 +85,7 @@ def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
         batch = {"prompt_ids": [s.prompt_ids for s in samples],
                  "response_ids": [s.response_ids for s in samples],
                  "rollout_logprobs": [s.logprobs for s in samples], "advantages": adv}
-        train_stats = rt.train(batch, step)
+        train_stats, old_logprobs = rt.train(batch, step)
         t_train = time.perf_counter() - t0
         bad = not math.isfinite(train_stats.get("train/loss", 0.0)) or train_stats.get(
             "train/skipped", 0.0) > 0 or not math.isfinite(train_stats.get("train/grad_norm", 0.0))
@@ -108,13 +108,15 @@ def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
         metrics.update({"sync/seconds": sync_stats.get("seconds", 0.0),
                         "sync/gbytes_per_s": sync_stats.get("gbytes_per_s", 0.0),
                         "sync/bytes": float(sync_stats.get("bytes", 0)),
+                        **({"sync/logprob_max_diff": sync_stats["logprob_max_diff"]}
+                           if "logprob_max_diff" in sync_stats else {}),
                         "weights/version": float(state.weight_version),
                         "faults/rollout_restarts": float(rt.restarts + state.restarts_before),
                         "faults/skipped_steps": float(state.skipped_steps),
                         "time/rollout": t_rollout, "time/reward": t_reward, "time/train": t_train,
                         "time/sync": t_sync, "time/eval": t_eval,
                         "time/step": time.perf_counter() - t_step})
-        ctx.record(step, metrics, indices, groups, parts, adv)
+        ctx.record(step, metrics, indices, groups, parts, adv, old_logprobs)
         result.history.append({"step": step, **metrics})
         if state.bad_in_a_row >= cfg.checkpoint.max_bad_steps:
             log.error("%d non-finite steps in a row: aborting with a checkpoint", state.bad_in_a_row)

@@ -99,6 +99,7 @@ class RunContext:
         self.rewards = RewardComputer(cfg.reward)
         self.eval_rewards = RewardComputer(cfg.reward)
         self.runtime: Runtime | None = None
+        self.logprob_diffs: list[float] = []
         self.metrics: MetricsLogger | None = None
         self.trajectories: TrajectoryWriter | None = None
 
@@ -166,7 +167,29 @@ class RunContext:
     def sync(self, version: int, bump: bool = True) -> dict:
         stats = self.runtime.sync(version)
         self.state.weight_version = version
+        versions = self.runtime.engine_versions()
+        if any(v != version for v in versions):
+            raise RuntimeError(f"weight sync: engines report versions {versions}, expected {version}")
+        if self.cfg.sync.check_logprobs:
+            stats["logprob_max_diff"] = self.check_logprobs()
         return stats
+
+    def check_logprobs(self) -> float:
+        """Max |trainer - engine| log-prob over a fixed probe sequence: proves the weights arrived."""
+        ex = self.eval_set[0] if self.eval_set else self.train[0]
+        prompt = self.eval_prompt_ids[0] if self.eval_set else self.train_prompt_ids[0]
+        response = self.tokenizer(ex.answer, add_special_tokens=False)["input_ids"]
+        response = response + [self.tokenizer.eos_token_id]
+        ref = self.runtime.score_trainer([prompt], [response])[0]
+        worst = 0.0
+        for engine_scores in self.runtime.score_engines([prompt], [response]):
+            worst = max(worst, max(abs(a - b) for a, b in zip(ref, engine_scores[0])))
+        self.logprob_diffs.append(worst)
+        if worst > self.cfg.sync.check_logprobs_tol:
+            raise RuntimeError(f"after the weight sync the rollout engine's log-probs differ from the "
+                               f"trainer's by {worst:.2e} (> sync.check_logprobs_tol "
+                               f"{self.cfg.sync.check_logprobs_tol:.0e}): the weights did not arrive intact")
+        return worst
 
     def evaluate(self, step: int) -> dict:
         cfg = self.cfg
@@ -179,7 +202,11 @@ class RunContext:
     def rollout_metrics(self, samples, parts, seconds: float) -> dict:
         total = parts.total
         lengths = [len(s.response_ids) for s in samples]
-        return {"reward/mean": statistics.fmean(total),
+        n = self.cfg.rollout.n_samples
+        groups = [total[i:i + n] for i in range(0, len(total), n)]
+        return {"reward/zero_std_frac": sum(max(g) == min(g) for g in groups) / len(groups),
+                "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+                "reward/mean": statistics.fmean(total),
                 "reward/std": statistics.pstdev(total) if len(total) > 1 else 0.0,
                 "reward/failures": float(self.rewards.failures),
                 "rollout/accuracy": sum(c >= 1.0 for c in parts.correctness) / len(samples),
@@ -190,7 +217,7 @@ class RunContext:
         self.metrics.log(step, metrics)
         self.metrics.flush()
 
-    def record(self, step, metrics, indices, groups, parts, adv) -> None:
+    def record(self, step, metrics, indices, groups, parts, adv, old_logprobs=None) -> None:
         self.log(step, metrics)
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -202,7 +229,7 @@ class RunContext:
                 prompt_ids=[s.prompt_ids for s in samples],
                 response_ids=[s.response_ids for s in samples],
                 rollout_logprobs=[s.logprobs for s in samples], reward=parts.total, advantage=adv,
-                finish_reason=[s.finish_reason for s in samples])
+                finish_reason=[s.finish_reason for s in samples], old_logprobs=old_logprobs)
         print(format_step(self.cfg, step, metrics), flush=True)
 
     def save_checkpoint(self) -> Path:

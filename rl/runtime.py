@@ -157,8 +157,14 @@ class Runtime:
                 out[i + j * m] = samples
         return out
 
-    def train(self, batch: dict, step: int) -> dict:
-        return wait_all([t.call("train_step", batch, step) for t in self.trainers])[0]
+    def train(self, batch: dict, step: int) -> tuple[dict, list[list[float]]]:
+        """Returns (statistics, the trainer's old log-probs of every sample in batch order)."""
+        results = wait_all([t.call("train_step", batch, step) for t in self.trainers])
+        old: dict[int, list[float]] = {}
+        for r in results:
+            old.update(r.pop("old_logprobs"))
+        n = len(batch["prompt_ids"])
+        return results[0], [old.get(i, []) for i in range(n)]
 
     def sync(self, version: int) -> dict:
         """Broadcast the trainer's weights to every engine; returns trainer-side stats."""

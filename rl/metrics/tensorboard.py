@@ -52,6 +52,8 @@ METRIC_TAGS: dict[str, str] = {
     "sync/seconds": "Wall time of the trainer -> rollout weight update [s].",
     "sync/gbytes_per_s": "Weight-update throughput: sync/bytes / sync/seconds / 1e9 [GB/s].",
     "sync/bytes": "Bytes sent on the wire for one weight update (after FP8 quantisation if on).",
+    "sync/logprob_max_diff": "With sync.check_logprobs: max |trainer - engine| log-prob of a fixed "
+                             "probe sequence right after the update.",
     "time/step": "Wall time of the whole step [s].",
     "time/rollout": "Wall time of generation [s].",
     "time/reward": "Wall time of reward computation [s].",

@@ -1,6 +1,6 @@
 """Rollout engines behind one interface (`rl.rollout.base.RolloutEngine`).
 
-`create_engine("vllm" | "hf", model_dir, cfg)` builds one; engine modules import lazily, so a
+`create_engine("vllm" | "hf" | "native", model_dir, cfg)` builds one; engine modules import lazily, so a
 process that never builds a vLLM engine never imports vLLM.
 """
 from __future__ import annotations
@@ -26,6 +26,6 @@ def create_engine(kind: str, model_dir: str | Path, cfg: RolloutConfig, *, dtype
         from rl.rollout.vllm_engine import VLLMEngine
         return VLLMEngine(model_dir, cfg, dtype=dtype, device=device)
     if kind == "native":
-        raise ConfigError("rollout.engine: got 'native', which is not built yet; expected 'vllm' "
-                          "or 'hf'")
+        from rl.rollout.native_engine import NativeEngine
+        return NativeEngine(model_dir, cfg, dtype=dtype, device=device)
     raise ConfigError(f"rollout.engine: got {kind!r}, expected one of 'vllm', 'hf', 'native'")

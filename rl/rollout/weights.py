@@ -30,14 +30,14 @@ class StreamStats:
                 "gbytes_per_s": self.bytes / max(seconds, 1e-9) / 1e9}
 
 
-def decode_wire(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantise FP8-on-the-wire pairs (`x` as uint8 bytes + `x_scale_inv`) into `dtype`.
+def pair_wire(named: Iterable[tuple[str, torch.Tensor]]
+              ) -> Iterator[tuple[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]]:
+    """Join FP8-on-the-wire halves (`x` as uint8 bytes + `x_scale_inv`) into `(x, (bytes, scales))`.
 
-    See `rl.quant.wire`. Everything else passes through unchanged, in order; a pair is yielded
-    when its second half arrives (the halves may sit in different buckets). A `_scale_inv`
-    whose weight is not uint8 (a real FP8 checkpoint tensor) passes through at the end.
-    Raises ValueError for uint8 weights whose scale never arrives.
+    Everything else passes through unchanged, in order; a pair is yielded when its second half
+    arrives (the halves may sit in different buckets). A `_scale_inv` whose weight is not uint8
+    (a real FP8 checkpoint tensor) passes through at the end. Raises ValueError for uint8
+    weights whose scale never arrives.
     """
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
@@ -45,12 +45,12 @@ def decode_wire(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
         if name.endswith(_SCALE_SUFFIX):
             base = name[: -len(_SCALE_SUFFIX)]
             if base in weights:
-                yield base, unpack_fp8_from_wire(weights.pop(base), t, dtype=dtype)
+                yield base, (weights.pop(base), t)
             else:
                 scales[base] = t
         elif t.dtype == torch.uint8:
             if name in scales:
-                yield name, unpack_fp8_from_wire(t, scales.pop(name), dtype=dtype)
+                yield name, (t, scales.pop(name))
             else:
                 weights[name] = t
         else:
@@ -61,9 +61,20 @@ def decode_wire(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
         yield base + _SCALE_SUFFIX, t
 
 
-def receive_stream(group, plan, version: int, verify: bool, dtype: torch.dtype,
+def decode_wire(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`pair_wire`, with every FP8 pair dequantised into `dtype` (see `rl.quant.wire`)."""
+    for name, value in pair_wire(named):
+        if isinstance(value, tuple):
+            yield name, unpack_fp8_from_wire(value[0], value[1], dtype=dtype)
+        else:
+            yield name, value
+
+
+def receive_stream(group, plan, version: int, verify: bool, dtype: torch.dtype | None,
                    stats: StreamStats) -> Iterator[tuple[str, torch.Tensor]]:
-    """Named tensors of every bucket of `plan`, decoded; counts bytes into `stats` as it goes."""
+    """Named tensors of every bucket of `plan`, decoded into `dtype` (None: FP8 pairs are kept as
+    `(bytes, scales)` tuples, see `pair_wire`); counts bytes into `stats` as it goes."""
     from rl.sync.transport import receive_buckets
 
     stats.t0 = time.perf_counter()
@@ -74,4 +85,4 @@ def receive_stream(group, plan, version: int, verify: bool, dtype: torch.dtype,
             stats.num_tensors += len(bucket)
             yield from bucket
 
-    return decode_wire(raw(), dtype)
+    return pair_wire(raw()) if dtype is None else decode_wire(raw(), dtype)

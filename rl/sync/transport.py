@@ -119,15 +119,30 @@ def receive_buckets(group: WeightGroup, plan: SyncPlan, version: int | None = No
                         f"bytes, receiver plan {len(plan.buckets)} / {plan.total_bytes}")
     if version is not None and got_version != version:
         raise SyncError(f"weight sync version mismatch: sender sent {got_version}, expected {version}")
-    for i, bucket in enumerate(plan.buckets):
-        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
-        _wait(_broadcast(group, buf, f"bucket {i}"), group, f"bucket {i}")
-        if verify:
+    if verify:
+        for i, bucket in enumerate(plan.buckets):
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
+            _wait(_broadcast(group, buf, f"bucket {i}"), group, f"bucket {i}")
             digest = torch.zeros(20, dtype=torch.uint8, device=group.device)
             _wait(_broadcast(group, digest, f"checksum {i}"), group, f"checksum {i}")
             if not torch.equal(digest.cpu(), _digest(buf)):
                 raise SyncError(f"weight sync checksum mismatch in bucket {i} "
                                 f"(first tensor {bucket.slots[0].name}, {bucket.nbytes} bytes)")
+            yield unpack_bucket(bucket, buf)
+        return
+
+    def post(i: int):
+        buf = torch.empty(plan.buckets[i].nbytes, dtype=torch.uint8, device=group.device)
+        return _broadcast(group, buf, f"bucket {i}"), buf
+
+    # One bucket ahead: bucket i+1 is posted before bucket i is handed to the loader, so on NCCL
+    # the next transfer is not queued behind the loader's copies (the collective's stream would
+    # otherwise wait for everything enqueued on the current stream before it).
+    ahead = post(0) if plan.buckets else None
+    for i, bucket in enumerate(plan.buckets):
+        work, buf = ahead
+        ahead = post(i + 1) if i + 1 < len(plan.buckets) else None
+        _wait(work, group, f"bucket {i}")
         yield unpack_bucket(bucket, buf)
 
 

@@ -176,6 +176,13 @@ class TrainerWorker:
                 if self.ref_model is not None:
                     ref_logp[id(mb)], _ = self._forward_logprobs(self.ref_model, mb, False)
         self.engine.module.train()
+        # The trainer's side of each sample's log-probs, for the trajectory log (this rank's shard).
+        old_by_sample: dict[int, list[float]] = {}
+        for mb in mbs:
+            if mb.weight > 0:
+                lp, mask = old_logp[id(mb)].cpu(), mb.resp_mask[:, 1:].bool()
+                for row, i in enumerate(mb.index):
+                    old_by_sample[i] = lp[row][mask[row]].tolist()
 
         stats_sum: dict[str, float] = {}
         extremes: dict[str, float] = {}
@@ -239,6 +246,7 @@ class TrainerWorker:
         out["train/tokens_per_s"] *= self.world_size
         out["train/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else 0.0
         out["train/lr"] = float(self.engine.get_lr()[0])
+        out["old_logprobs"] = old_by_sample
         return out
 
     def _global_denominator(self, group: list[Micro]) -> float:

@@ -45,6 +45,10 @@ def test_train_step_changes_weights_and_ranks_agree(ranks):
     before = wait_all([a.call("score", batch["prompt_ids"], batch["response_ids"]) for a in ranks])
     assert before[0] == before[1]
     stats = wait_all([a.call("train_step", batch, 1) for a in ranks])
+    old = [s.pop("old_logprobs") for s in stats]
+    assert sorted(old[0]) == list(range(0, 10, 2)) and sorted(old[1]) == list(range(1, 10, 2))
+    for i, lp in {**old[0], **old[1]}.items():  # the trainer's log-probs before the update
+        assert lp == pytest.approx(before[0][i], abs=1e-5)
     assert stats[0] == stats[1]
     for key in ("train/loss", "train/grad_norm", "train/lr", "train/kl", "train/entropy",
                 "train/tis_ratio_mean", "train/clip_frac_low", "train/tokens_per_s"):
@@ -80,3 +84,15 @@ def test_weight_sync_delivers_the_gathered_weights(ranks):
     assert set(got) == set(full)
     for k in full:
         assert torch.equal(got[k], full[k]), k
+
+
+def test_non_finite_loss_skips_the_optimizer_step(ranks):
+    batch = make_batch(seed=3)
+    batch["advantages"] = [float("nan")] * len(batch["advantages"])
+    before = wait_all([a.call("full_state_dict") for a in ranks])[0]
+    stats = wait_all([a.call("train_step", batch, 2) for a in ranks])
+    import math
+    assert not math.isfinite(stats[0]["train/grad_norm"])
+    after = wait_all([a.call("full_state_dict") for a in ranks])[0]
+    for k in before:
+        assert torch.equal(before[k], after[k]), k

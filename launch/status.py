@@ -1,0 +1,83 @@
+"""`python -m launch.status RUN_DIR`: the job's state, current step, restarts, latest checkpoint."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from launch.common import fail
+
+
+def slurm_state(job_id: str) -> str:
+    """State from squeue (pending/running) or sacct (finished); 'unknown' without Slurm."""
+    for cmd in (["squeue", "-h", "-j", job_id, "-o", "%T"],
+                ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"]):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out:
+            return out[0]
+    return "unknown"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+    return out
+
+
+def status(run_dir: Path) -> dict:
+    from rl.checkpoint import CheckpointManager
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    events = read_jsonl(run_dir / "lifecycle.jsonl")
+    latest = CheckpointManager(run_dir).latest() if (run_dir / "checkpoints").exists() else None
+    job = json.loads((run_dir / "slurm_job.json").read_text()) if (run_dir / "slurm_job.json").exists() else None
+    starts = [e for e in events if e.get("event") == "start"]
+    return {
+        "run_dir": str(run_dir),
+        "job_id": job.get("job_id") if job else None,
+        "state": slurm_state(str(job["job_id"])) if job else (events[-1]["event"] if events else "unknown"),
+        "step": metrics[-1]["step"] if metrics else 0,
+        "restarts": max((e.get("restart_count", 0) for e in starts), default=0),
+        "last_stop": next((e for e in reversed(events) if e.get("event") in ("stopped", "requeued")), None),
+        "latest_checkpoint": str(latest[0]) if latest else None,
+        "latest_checkpoint_step": latest[1]["step"] if latest else None,
+        "last_eval_pass1": next((m["eval/pass1"] for m in reversed(metrics) if "eval/pass1" in m), None),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("run_dir")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    args = p.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        fail(f"{run_dir}: not a run directory (no config.yaml)")
+    st = status(run_dir)
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    stop = st["last_stop"]
+    print(f"run:        {st['run_dir']}")
+    print(f"job:        {st['job_id'] or 'local'}  state: {st['state']}")
+    print(f"step:       {st['step']}")
+    print(f"restarts:   {st['restarts']}" + (f"  (last: {stop['event']} on {stop.get('reason')})" if stop else ""))
+    print(f"checkpoint: {st['latest_checkpoint'] or 'none'}")
+    if st["last_eval_pass1"] is not None:
+        print(f"eval pass@1 (latest): {st['last_eval_pass1']:.3f}")
+    print(f"TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

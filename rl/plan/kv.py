@@ -1,0 +1,95 @@
+"""KV-cache bytes per token on one tensor-parallel rank, from the model's real attention layout.
+
+- GQA (qwen3, qwen3_moe): K and V for every KV head: `2 x kv_heads x head_dim x layers`. vLLM
+  splits KV heads across TP ranks; with more ranks than KV heads each rank keeps one (replicas).
+- MLA (deepseek_v3): one latent per token per layer, `kv_lora_rank + qk_rope_head_dim`, shared
+  by all heads and therefore replicated on every TP rank.
+- DeepSeek-V4: one shared K=V head per layer (replicated on every rank). Every layer keeps a
+  sliding window of `sliding_window` raw entries (a per-sequence constant); compressed sparse
+  attention (CSA) layers add one `head_dim` entry per `m` tokens plus one `index_head_dim`
+  indexer key per `m` tokens; heavily compressed attention (HCA) layers add one `head_dim`
+  entry per `m'` tokens (m=4, m'=128 in V4-Flash). The partial-window buffers and overlap state
+  the compressors carry (< 2m tokens per layer) are ignored.
+
+Units: bytes. `dtype_bytes` is 2 for a bf16 cache, 1 for fp8.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rl.plan.arch import Arch, field_of, v4_compress_rates
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """KV-cache cost on ONE tensor-parallel rank."""
+    per_token: float
+    """Bytes per token of context (grows with sequence length)."""
+    per_sequence: float
+    """Bytes per sequence independent of its length (V4's sliding windows; 0 otherwise)."""
+    explain: tuple[str, ...]
+    """How the numbers were obtained, one line each, for the report."""
+
+    def sequence_bytes(self, tokens: int) -> float:
+        """Bytes one sequence of `tokens` tokens holds."""
+        return self.per_token * tokens + self.per_sequence
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:,.1f} KiB"
+
+
+def gqa(arch: Arch, tp: int, dtype_bytes: int) -> KVLayout:
+    c, src = arch.config, arch.source
+    heads = field_of(c, src, "num_attention_heads")
+    kv = field_of(c, src, "num_key_value_heads", default=heads)
+    hd = field_of(c, src, "head_dim", default=arch.hidden // heads)
+    per_rank = -(-kv // tp) if tp <= kv else 1
+    per_token = 2 * per_rank * hd * arch.num_layers * dtype_bytes
+    split = (f"{per_rank} per rank at TP {tp}" if tp <= kv
+             else f"1 per rank at TP {tp}: replicated {tp // kv}x")
+    return KVLayout(per_token, 0.0, (
+        f"GQA: 2 (K,V) x {kv} KV heads ({split}) x head_dim {hd} x {arch.num_layers} layers "
+        f"x {dtype_bytes} B = {_kib(per_token)}/token per rank",))
+
+
+def mla(arch: Arch, dtype_bytes: int) -> KVLayout:
+    c, src = arch.config, arch.source
+    latent = field_of(c, src, "kv_lora_rank") + field_of(c, src, "qk_rope_head_dim")
+    per_token = latent * arch.num_layers * dtype_bytes
+    return KVLayout(per_token, 0.0, (
+        f"MLA latent: (kv_lora_rank {c['kv_lora_rank']} + qk_rope_head_dim "
+        f"{c['qk_rope_head_dim']}) x {arch.num_layers} layers x {dtype_bytes} B = "
+        f"{_kib(per_token)}/token (replicated on every TP rank)",))
+
+
+def deepseek_v4(arch: Arch, dtype_bytes: int) -> KVLayout:
+    c, src = arch.config, arch.source
+    hd, idx = field_of(c, src, "head_dim"), field_of(c, src, "index_head_dim")
+    window = field_of(c, src, "sliding_window")
+    rates = v4_compress_rates(c)
+    m_csa, m_hca = rates["compressed_sparse_attention"], rates["heavily_compressed_attention"]
+    n = {t: arch.layer_types.count(t) for t in
+         ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")}
+    csa = (hd + idx) / m_csa * dtype_bytes
+    hca = hd / m_hca * dtype_bytes
+    per_token = n["compressed_sparse_attention"] * csa + n["heavily_compressed_attention"] * hca
+    per_seq = arch.num_layers * window * hd * dtype_bytes
+    return KVLayout(per_token, per_seq, (
+        f"DeepSeek-V4 ({n['sliding_attention']} sliding-only, {n['compressed_sparse_attention']} "
+        f"CSA, {n['heavily_compressed_attention']} HCA layers; one K=V head, replicated on "
+        "every TP rank):",
+        f"  CSA: (head_dim {hd} + indexer {idx}) / {m_csa} x {dtype_bytes} B = {csa:,.0f} B/token "
+        f"per layer; HCA: {hd} / {m_hca} x {dtype_bytes} B = {hca:,.0f} B/token per layer",
+        f"  = {_kib(per_token)}/token, plus sliding windows {arch.num_layers} layers x {window} "
+        f"x {hd} x {dtype_bytes} B = {per_seq / 2**20:,.1f} MiB per sequence",
+    ))
+
+
+def kv_layout(arch: Arch, tp: int, dtype_bytes: int) -> KVLayout:
+    """The KV cost of `arch` per TP rank at tensor-parallel size `tp`."""
+    if arch.model_type == "deepseek_v3":
+        return mla(arch, dtype_bytes)
+    if arch.model_type == "deepseek_v4":
+        return deepseek_v4(arch, dtype_bytes)
+    return gqa(arch, tp, dtype_bytes)

@@ -1,0 +1,289 @@
+"""Per-GPU and per-node memory of the trainer group and the rollout group.
+
+Trainer (DeepSpeed, bf16 mixed precision, AdamW), per parameter and rank, with N ranks:
+
+| state                      | ZeRO-0 | ZeRO-1 | ZeRO-2 | ZeRO-3 | optimizer offload (>= 1)  |
+| bf16 parameters            | 2      | 2      | 2      | 2/N    | (ZeRO-3 param offload: host) |
+| bf16 gradients             | 2      | 2      | 2/N    | 2/N    | ZeRO-3: 2/N on host        |
+| fp32 master, Adam m and v  | 12     | 12/N   | 12/N   | 12/N   | host or NVMe               |
+| fp32 gradient copy (step)  | 4      | 4/N    | 4/N    | 4/N, at most 4 GB at once | host or NVMe |
+
+(DeepSpeed 0.19 `stage3.py` / `stage_1_and_2.py`: the optimizer consumes an fp32 gradient
+partition; with offload, ZeRO-3 keeps the bf16 gradient partition in pinned host memory too.)
+fp32 training (CPU runs): 4 + 4 + 8 bytes, no master copy. Add the transient buffers: ZeRO-3
+gathers a whole module (an MoE layer's expert stack) plus its gradient before reduce-scatter;
+stages 1-2 keep reduce / all-gather buckets (5e8 elements each, DeepSpeed's defaults).
+
+Rollout (vLLM), per GPU: weights / TP (replicated parts in full), then what is left of
+`gpu_memory_utilization x GPU` after weights and overhead is KV cache.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rl.config import Config
+from rl.plan import activations
+from rl.plan.arch import Arch, fp8_bytes, fp8_eligible
+from rl.plan.kv import KVLayout, kv_layout
+
+GiB = 2**30
+BUCKET_ELEMS = 5e8            # DeepSpeed reduce_bucket_size / allgather_bucket_size defaults
+PREFETCH_ELEMS = 5e7          # stage3_prefetch_bucket_size default
+SUB_GROUP_ELEMS = 1e9         # sub_group_size default: the optimizer steps this many at a time
+SWAP_BUFFERS = 4              # ZeRO-Infinity optimizer swap buffers per rank (buffer_count)
+
+
+def size(nbytes: float) -> str:
+    """Human units: `33.1 GiB`, `1.2 TiB`, `512.0 MiB`."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes / 2**10:,.1f} KiB"
+
+
+@dataclass(slots=True)
+class Line:
+    """One row of a memory table. `gpu` is bytes per GPU, `host` / `nvme` bytes per node.
+    `phase`: `always` (resident), `train` (forward/backward peak) or `step` (optimizer step);
+    the peak is always + max(train, step)."""
+    label: str
+    gpu: float = 0.0
+    host: float = 0.0
+    nvme: float = 0.0
+    phase: str = "always"
+
+
+@dataclass(slots=True)
+class GroupPlan:
+    name: str
+    header: list[str]
+    lines: list[Line]
+    gpu_budget: float | None
+    """Bytes per GPU the group may use (None: runs on CPU)."""
+    host_budget: float | None = None
+    nvme_budget: float | None = None
+    problems: list[str] = field(default_factory=list)
+    """Reasons the group cannot run besides the budget checks (bad combinations)."""
+    notes: list[str] = field(default_factory=list)
+    kv: KVLayout | None = None
+    concurrent: int = 0
+    """Rollout: sequences of max_model_len the KV cache holds at once (per engine)."""
+
+    def need(self, where: str) -> float:
+        peak = {"always": 0.0, "train": 0.0, "step": 0.0}
+        for ln in self.lines:
+            peak[ln.phase] += getattr(ln, where)
+        return peak["always"] + max(peak["train"], peak["step"])
+
+    def overruns(self) -> list[str]:
+        out = []
+        for where, budget, unit in (("gpu", self.gpu_budget, "per GPU"),
+                                    ("host", self.host_budget, "host RAM per node"),
+                                    ("nvme", self.nvme_budget, "NVMe per node")):
+            need = self.need(where)
+            if budget is not None and need > budget:
+                out.append(f"{unit}: needs {size(need)} of {size(budget)} "
+                           f"(over by {size(need - budget)})")
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems and not self.overruns()
+
+
+def sequence_length(cfg: Config) -> int:
+    """Longest sequence (prompt + response) the trainer sees."""
+    return min(cfg.rollout.max_model_len, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+
+
+def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
+    t, p, cl = cfg.trainer, cfg.plan, cfg.cluster.trainer
+    n, stage, P = t.num_ranks, t.zero_stage, arch.total_params
+    on_gpu = cl.gpus_per_node > 0
+    local = cfg.cluster.kind == "local"
+    nodes = 1 if local else cl.nodes   # a local run puts every rank on this machine
+    per_node = cl.gpus_per_node if on_gpu else math.ceil(n / nodes)
+    bf16 = cfg.model.dtype == "bfloat16"
+    w = 2 if bf16 else 4                      # parameter / gradient bytes
+    opt_dev, par_dev = p.optimizer_offload, p.param_offload
+    problems: list[str] = []
+    if opt_dev != "none" and stage == 0:
+        problems.append("plan.optimizer_offload needs trainer.zero_stage >= 1 (DeepSpeed offloads "
+                        "ZeRO partitions)")
+    if par_dev != "none" and stage != 3:
+        problems.append("plan.param_offload needs trainer.zero_stage: 3")
+    if on_gpu and not local and n != cl.nodes * cl.gpus_per_node:
+        problems.append(f"trainer.num_ranks is {n} but cluster.trainer has {cl.nodes} x "
+                        f"{cl.gpus_per_node} = {cl.nodes * cl.gpus_per_node} GPUs")
+
+    def part(nbytes: float, partitioned: bool) -> float:
+        return nbytes / n if partitioned else nbytes
+
+    def place(label: str, per_rank: float, device: str, phase: str = "always") -> Line:
+        if device == "gpu":
+            return Line(label, gpu=per_rank, phase=phase)
+        key = "host" if device == "cpu" else "nvme"
+        return Line(label, phase=phase, **{key: per_rank * per_node})
+
+    lines = [place(f"parameters ({'bf16' if bf16 else 'fp32'}{', 1/%d' % n if stage == 3 else ''})",
+                   part(w * P, stage == 3), "cpu" if par_dev == "cpu" else "gpu")]
+    grads_partitioned = stage >= 2
+    if opt_dev != "none" and stage >= 2:
+        if stage == 3:  # the reduce-scattered bf16 partition is kept in pinned host memory
+            lines.append(place(f"gradients ({'bf16' if bf16 else 'fp32'}, 1/{n}, offloaded)",
+                               part(w * P, True), "cpu"))
+    else:
+        lines.append(place(f"gradients ({'bf16' if bf16 else 'fp32'}"
+                           f"{', 1/%d' % n if grads_partitioned else ''})",
+                           part(w * P, grads_partitioned), "gpu"))
+    opt_where = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}[opt_dev]
+    if bf16:
+        lines.append(place(f"fp32 master weights{' (1/%d)' % n if stage else ''}",
+                           part(4 * P, stage >= 1), opt_where))
+    lines.append(place(f"AdamW moments m, v (fp32){' (1/%d)' % n if stage else ''}",
+                       part(8 * P, stage >= 1), opt_where))
+    if bf16:
+        fp32_grad = part(4 * P, stage >= 1)
+        if opt_dev == "none":
+            if stage == 3:  # stepped one sub-group at a time
+                fp32_grad = min(fp32_grad, 4 * SUB_GROUP_ELEMS)
+            lines.append(place("fp32 gradient copy (optimizer step)", fp32_grad, "gpu", "step"))
+        else:
+            lines.append(place("fp32 gradients (offloaded)", fp32_grad, opt_where))
+    if opt_dev == "nvme":
+        swap = SWAP_BUFFERS * min(SUB_GROUP_ELEMS, P / n) * 4
+        lines.append(place("NVMe swap buffers (pinned)", swap, "cpu"))
+    if on_gpu and stage >= 1:  # allocated at engine init (CPU pages stay untouched: skipped)
+        lines.append(place("ZeRO reduce bucket (5e8 elements)", w * BUCKET_ELEMS, "gpu"))
+    if stage == 3:
+        gathered = 2 * w * (arch.largest_module() + min(PREFETCH_ELEMS, P))
+        lines.append(place("ZeRO-3 gathered largest module + its gradient", gathered, "gpu", "train"))
+    if cfg.algorithm.kl_coef > 0:
+        lines.append(place("reference model (kl_coef > 0; full copy, not partitioned)", w * P, "gpu"))
+
+    seq = sequence_length(cfg)
+    tokens = max(t.micro_batch_tokens, seq)
+    eager = p.attention_kernel == "eager" or (p.attention_kernel == "auto"
+                                              and arch.model_type == "deepseek_v4")
+    act = activations.estimate(arch, tokens, seq, p.activation_checkpointing, eager,
+                               cfg.algorithm.entropy_coef > 0, elem_bytes=w)
+    ckpt = "checkpointed" if p.activation_checkpointing else "no checkpointing"
+    lines.append(place(f"activations: decoder layers ({ckpt})", act.layers, "gpu", "train"))
+    lines.append(place("activations: logits + log-prob fp32 chunks", act.logits, "gpu", "train"))
+    if eager:
+        lines.append(place(f"activations: eager attention scores (S={seq:,})", act.eager_scores,
+                           "gpu", "train"))
+    if on_gpu:
+        lines.append(place("CUDA context, NCCL, allocator slack (plan.overhead_gb)",
+                           p.overhead_gb * GiB, "gpu"))
+
+    host_budget = p.host_memory_gb * GiB
+    if cl.mem_gb > 0:
+        host_budget = min(host_budget, cl.mem_gb * GiB)
+    header = [
+        f"{nodes} node(s) x {per_node} rank(s) = {n} ranks"
+        + ("" if on_gpu else " (CPU: no GPU budget; host memory holds everything)"),
+        f"DeepSpeed ZeRO-{stage}, {'bf16 mixed precision' if bf16 else 'fp32'} + AdamW, "
+        f"optimizer offload: {opt_dev}, param offload: {par_dev}, activation checkpointing: "
+        f"{'on' if p.activation_checkpointing else 'off'}",
+        f"micro-batch: {tokens:,} tokens (sequences up to {seq:,} = min(max_model_len, "
+        f"{cfg.data.max_prompt_tokens:,} prompt + {cfg.rollout.max_new_tokens:,} new))",
+    ]
+    notes = []
+    if eager:
+        notes.append(f"attention: eager (transformers' {arch.model_type} has no fused kernel); "
+                     "set plan.attention_kernel: fused only if the trainer runs one")
+    elif p.attention_kernel == "fused" and arch.model_type == "deepseek_v4":
+        notes.append("ASSUMPTION: a fused (O(S) memory) DeepSeek-V4 attention kernel in the "
+                     "trainer; transformers' V4 is eager-only")
+    if not on_gpu:  # CPU run: everything sits in host memory of the one machine
+        for ln in lines:
+            ln.host, ln.gpu = ln.host + ln.gpu * per_node, 0.0
+    return GroupPlan("trainer", header, lines, p.gpu_memory_gb * GiB if on_gpu else None,
+                     host_budget, p.nvme_gb * GiB if opt_dev == "nvme" else None,
+                     problems, notes)
+
+
+def rollout_weight_bytes(arch: Arch, tp: int, fp8: bool) -> tuple[float, float, float]:
+    """(total, kept-in-BF16, FP8 block scales) weight bytes on one TP rank."""
+    total = kept = scales = 0.0
+    for t in arch.tensors:
+        split = min(tp, t.tp_shards or tp)
+        if fp8 and fp8_eligible(t.name, t.shape, arch.model_type):
+            b = fp8_bytes(t.shape)
+            scales += (b - t.numel) / split
+        else:
+            b = 2 * t.numel
+            kept += b / split
+        total += b / split
+    return total, kept, scales
+
+
+def plan_rollout(cfg: Config, arch: Arch) -> GroupPlan:
+    r, p, cl = cfg.rollout, cfg.plan, cfg.cluster.rollout
+    tp, fp8 = r.tensor_parallel_size, r.quantization == "fp8"
+    on_gpu = cl.gpus_per_node > 0
+    weights, kept, scales = rollout_weight_bytes(arch, tp, fp8)
+    other = rollout_weight_bytes(arch, tp, not fp8)[0]
+    kv = kv_layout(arch, tp, 1 if p.kv_cache_dtype == "fp8" else 2)
+    problems: list[str] = []
+    if on_gpu:
+        budget = r.gpu_memory_utilization * p.gpu_memory_gb * GiB
+        overhead = p.overhead_gb * GiB
+        gpus = cl.nodes * cl.gpus_per_node
+        if cfg.cluster.kind == "slurm" and r.num_engines * tp > gpus:
+            problems.append(f"rollout.num_engines x tensor_parallel_size = {r.num_engines * tp} GPUs "
+                            f"but cluster.rollout has {cl.nodes} x {cl.gpus_per_node} = {gpus}")
+    else:  # vLLM-CPU: weights in RAM, the KV cache is a fixed `cpu_kvcache_gb`
+        budget, overhead = None, 0.0
+    room = (budget - weights - overhead) if on_gpu else r.cpu_kvcache_gb * GiB
+    seq_bytes = kv.sequence_bytes(r.max_model_len)
+    concurrent = max(int(room // seq_bytes), 0) if room > 0 else 0
+    fmt = "FP8" if fp8 else "BF16"
+    lines = [Line(f"weights ({fmt}, TP {tp})", gpu=weights if on_gpu else 0.0,
+                  host=0.0 if on_gpu else weights)]
+    if on_gpu:
+        lines.append(Line("vLLM activations, CUDA graphs, NCCL (plan.overhead_gb)", gpu=overhead))
+        lines.append(Line("KV cache (what is left of gpu_memory_utilization)", gpu=max(room, 0.0)))
+    header = [
+        (f"{cl.nodes} node(s) x {cl.gpus_per_node} GPUs, " if on_gpu else "CPU, ")
+        + f"{r.num_engines} engine(s) x TP {tp}, {r.engine} {fmt}"
+        + (f", gpu_memory_utilization {r.gpu_memory_utilization} x {p.gpu_memory_gb:g} GiB = "
+           f"{size(budget)}" if on_gpu else f", cpu_kvcache_gb {r.cpu_kvcache_gb:g}"),
+        f"weights per {'GPU' if on_gpu else 'engine'}: {fmt} {size(weights)} vs "
+        f"{'BF16' if fp8 else 'FP8'} {size(other)}"
+        + (f" (FP8 frees {size(other - weights)} for KV cache)" if fp8
+           else f" (FP8 would free {size(weights - other)})"),
+    ]
+    if fp8:
+        header.append(f"  kept in BF16 (embeddings, lm_head, norms, routers, 1-D): {size(kept)}; "
+                      f"FP8 block scales (128x128, fp32): {size(scales)}")
+    header += list(kv.explain)
+    if room <= 0:
+        problems.append(f"weights {size(weights)} + overhead {size(overhead)} exceed "
+                        f"gpu_memory_utilization x GPU = {size(budget)}: no room for KV cache")
+    elif concurrent < 1:
+        problems.append(f"KV cache room {size(room)} cannot hold one sequence of max_model_len "
+                        f"{r.max_model_len:,} ({size(seq_bytes)}): vLLM refuses to start")
+    notes = []
+    if room > 0:
+        batch = cfg.algorithm.prompts_per_step * r.n_samples
+        per_engine = math.ceil(batch / r.num_engines)
+        waves = math.ceil(per_engine / concurrent) if concurrent else 0
+        notes.append(f"KV room {size(room)} = {room / kv.per_token:,.0f} tokens "
+                     f"({size(seq_bytes)} per {r.max_model_len:,}-token sequence): "
+                     f"{concurrent:,} concurrent sequences at full context per engine")
+        if on_gpu and fp8:
+            alt_room = budget - other - overhead
+            alt = max(int(alt_room // seq_bytes), 0) if alt_room > 0 else 0
+            notes.append(f"with BF16 weights: KV room {size(max(alt_room, 0))}, "
+                         f"{alt:,} concurrent sequences")
+        if concurrent:
+            notes.append(f"a step samples {cfg.algorithm.prompts_per_step} prompts x {r.n_samples} = "
+                         f"{batch:,} sequences, {per_engine:,} per engine: {waves} wave(s) at full "
+                         "context" + ("" if waves <= 1 else " (shorter responses pack more)"))
+    # The budget shown is the whole GPU; vLLM takes gpu_memory_utilization of it (the KV cache
+    # fills whatever weights and overhead leave), so the rollout always "uses" exactly that.
+    return GroupPlan("rollout", header, lines, p.gpu_memory_gb * GiB if on_gpu else None,
+                     problems=problems, notes=notes, kv=kv, concurrent=concurrent)

@@ -1,0 +1,341 @@
+"""The `native` rollout engine: our own Qwen3 / Qwen3-MoE decoder for GPUs without vLLM.
+
+`rl.rollout.native_model` holds the weights (block FP8 with `rollout.quantization: fp8`), a static
+KV cache and the forward passes; this module batches requests, replays decode steps from CUDA
+graphs, samples, and takes weight updates from the sync protocol.
+
+Generation: prompts (x `n` samples; greedy decodes once per prompt and copies) run in chunks of
+`rollout.max_batch_size`, padded to a power-of-two batch bucket so one captured graph serves
+every chunk of that size. A chunk is prefilled in one pass, then decoded in lock step; finished
+rows keep decoding (their tokens are cut at the stop token afterwards) and the loop ends early
+once every row has stopped (checked every `_STOP_CHECK` steps, the only host syncs).
+
+Sampling: temperature, top-k, top-p, from one torch generator per call seeded with
+`sampling.seed` (like the `hf` engine: draws depend on how prompts are batched). Log-probs are
+the raw temperature-1 values of the decode logits (`rl.rollout.base`), no second scoring pass.
+
+Runs on CPU too (torch reference kernels, no graphs, fp32): that is what the CPU tests cover.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from rl.config import RolloutConfig
+from rl.rollout.base import (
+    Sample, SamplingParams, check_token_lists, check_version, cut_at_stop, has_tokenizer,
+    read_eos_ids, resolve_device, resolve_dtype,
+)
+from rl.rollout.native_kernels import triton_available
+from rl.rollout.native_model import NativeQwen3, Shape
+from rl.rollout.native_weights import IncompleteWeightsError
+from rl.rollout.weights import StreamStats, pair_wire, receive_stream
+
+log = logging.getLogger(__name__)
+_STOP_CHECK = 16
+
+
+def _bucket(rows: int, cap: int) -> int:
+    return min(1 << max(rows - 1, 0).bit_length(), cap) if rows <= cap else cap
+
+
+def sample_tokens(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits (B, V) -> (tokens (B,), raw temperature-1 log-probs (B,))."""
+    lse = torch.logsumexp(logits, dim=-1)
+    if sp.greedy:
+        tok = logits.argmax(-1)
+    else:
+        x = logits / sp.temperature if sp.temperature != 1.0 else logits
+        if 0 < sp.top_k < x.shape[-1]:
+            kth = x.topk(sp.top_k, dim=-1).values[:, -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if sp.top_p < 1.0:
+            sorted_x, idx = x.sort(dim=-1, descending=True)
+            p = sorted_x.softmax(-1)
+            # Drop a token once the mass before it already reaches top_p (the top one stays).
+            drop = (p.cumsum(-1) - p) >= sp.top_p
+            x = torch.empty_like(x).scatter_(-1, idx, sorted_x.masked_fill(drop, float("-inf")))
+        probs = x.softmax(-1)
+        # Exponential race (Gumbel-max): argmax p / E with E ~ Exp(1) samples from p.
+        race = torch.empty_like(probs).exponential_(generator=gen).clamp_(min=1e-20)
+        tok = (probs / race).argmax(-1)
+    return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - lse
+
+
+class _Graph:
+    """One captured decode step for a batch bucket, with its static inputs and output."""
+
+    def __init__(self, model: NativeQwen3, rows: int, pool):
+        dev = model.device
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.start = torch.zeros(rows, dtype=torch.int32, device=dev)
+        # Warm-up and capture write the last cache slot, which a real step always rewrites
+        # before reading it.
+        self.pos = torch.full((1,), model.max_len - 1, dtype=torch.int32, device=dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # compiles the Triton kernels outside the capture
+            for _ in range(2):
+                model.decode_step(self.tokens, self.start, self.pos)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = model.decode_step(self.tokens, self.start, self.pos)
+
+    def __call__(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.pos.fill_(pos)
+        self.graph.replay()
+        return self.logits
+
+
+class NativeEngine:
+    """Rollout engine around `NativeQwen3` in this process (see the module docstring)."""
+
+    def __init__(self, model_dir: str | Path | None, cfg: RolloutConfig, *, dtype: str = "auto",
+                 device: str = "auto", hf_config=None, score_batch_tokens: int = 16384):
+        from transformers import AutoConfig
+
+        self.cfg = cfg
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.device = resolve_device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        config = hf_config or AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
+        self.shape = Shape.from_hf_config(config)
+        impl = "triton" if self.device.type == "cuda" and triton_available() else "torch"
+        if self.device.type == "cuda" and impl == "torch":
+            log.warning("native engine: triton is not importable; decoding with torch reference "
+                        "kernels and without CUDA graphs (slow)")
+        self.model = NativeQwen3(self.shape, self.device, self.dtype, cfg.quantization == "fp8",
+                                 cfg.fp8_keep_bf16, cfg.max_model_len, impl, cfg.fp8_pow2_scales)
+        self.use_graphs = cfg.cuda_graphs and impl == "triton"
+        self.tokenizer = None
+        self.eos_ids: list[int] = []
+        if self.model_dir is not None:
+            from rl.models.loading import load_tokenizer
+            self.tokenizer = load_tokenizer(self.model_dir) if has_tokenizer(self.model_dir) else None
+            self.eos_ids = read_eos_ids(self.model_dir)
+        elif config.eos_token_id is not None:
+            eos = config.eos_token_id
+            self.eos_ids = sorted({int(e) for e in (eos if isinstance(eos, list) else [eos])})
+        pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
+        pad = pad if pad is not None else config.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.eos_ids or [0])[0])
+        self.vocab_size = self.shape.vocab
+        self.score_batch_tokens = score_batch_tokens
+        self.weight_version = 0
+        self._graphs: dict[int, _Graph] = {}
+        self._pool = None
+        self._group = None
+        if self.model_dir is not None:
+            self._load_checkpoint(self.model_dir)
+
+    @classmethod
+    def from_config(cls, hf_config, cfg: RolloutConfig, *, dtype: str = "auto",
+                    device: str = "auto") -> NativeEngine:
+        """An engine with zero weights (they arrive through the sync): benchmarks and tests."""
+        return cls(None, cfg, dtype=dtype, device=device, hf_config=hf_config)
+
+    # ---- generation --------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams
+                 ) -> list[list[Sample]]:
+        check_token_lists("prompt_ids", prompt_ids, self.vocab_size)
+        if not prompt_ids:
+            return []
+        longest = max(len(p) for p in prompt_ids) + sampling.max_new_tokens
+        if longest > self.model.max_len:
+            raise ValueError(f"prompt ({longest - sampling.max_new_tokens} tokens) + max_new_tokens "
+                             f"({sampling.max_new_tokens}) exceeds rollout.max_model_len "
+                             f"({self.model.max_len})")
+        stop_ids = sorted(set(self.eos_ids) | set(sampling.stop_token_ids))
+        stop_t = torch.tensor(stop_ids or [-1], dtype=torch.long, device=self.device)
+        draws = 1 if sampling.greedy else sampling.n
+        rows = [p for p in prompt_ids for _ in range(draws)]
+        gen = None
+        if not sampling.greedy:
+            gen = torch.Generator(self.device).manual_seed(sampling.seed)
+        out: list[tuple[list[int], list[float]]] = []
+        for c in range(0, len(rows), self.cfg.max_batch_size):
+            out += self._generate_chunk(rows[c:c + self.cfg.max_batch_size], sampling, stop_t, gen)
+        stop_set = set(stop_ids)
+        groups = []
+        for i, p in enumerate(prompt_ids):
+            group = []
+            for k in range(sampling.n):
+                tokens, lps = out[i * draws + (0 if sampling.greedy else k)]
+                tokens, reason = cut_at_stop(tokens, stop_set)
+                group.append(Sample(prompt_ids=list(p), response_ids=tokens,
+                                    text=self._decode(tokens, reason), logprobs=lps[:len(tokens)],
+                                    finish_reason=reason, weight_version=self.weight_version))
+            groups.append(group)
+        return groups
+
+    def _decoder(self, rows: int):
+        model = self.model
+        if self.use_graphs:
+            if rows not in self._graphs:
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                self._graphs[rows] = _Graph(model, rows, self._pool)
+            graph = self._graphs[rows]
+            return graph, graph.start
+        pos_t = torch.zeros(1, dtype=torch.int32, device=self.device)
+        start = torch.zeros(rows, dtype=torch.int32, device=self.device)
+
+        def step(tokens: torch.Tensor, pos: int) -> torch.Tensor:
+            pos_t.fill_(pos)
+            return model.decode_step(tokens, start, pos_t)
+        return step, start
+
+    def _generate_chunk(self, rows: list[list[int]], sp: SamplingParams, stop_t: torch.Tensor,
+                        gen: torch.Generator | None) -> list[tuple[list[int], list[float]]]:
+        n = len(rows)
+        bb = _bucket(n, self.cfg.max_batch_size)
+        rows = rows + [rows[0]] * (bb - n)  # bucket padding: copies, ignored afterwards
+        if self.model.ensure_cache(bb):
+            self._graphs.clear()  # they point into the old cache
+        step, start = self._decoder(bb)     # captured before prefill fills the cache
+        width = max(len(r) for r in rows)
+        ids = torch.full((bb, width), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        start.copy_(torch.tensor([width - len(r) for r in rows], dtype=torch.int32))
+        ids = ids.to(self.device)
+        h = self.model.prefill(ids, start, write_cache=True)[:, -1]
+        tok, lp = sample_tokens(self.model.logits(h), sp, gen)
+        toks = torch.empty(bb, sp.max_new_tokens, dtype=torch.long, device=self.device)
+        lps = torch.empty(bb, sp.max_new_tokens, dtype=torch.float32, device=self.device)
+        toks[:, 0], lps[:, 0] = tok, lp
+        done = torch.isin(tok, stop_t)
+        steps = sp.max_new_tokens
+        for t in range(1, sp.max_new_tokens):
+            tok, lp = sample_tokens(step(tok, width + t - 1), sp, gen)
+            toks[:, t], lps[:, t] = tok, lp
+            done |= torch.isin(tok, stop_t)
+            if t % _STOP_CHECK == 0 and bool(done[:n].all()):
+                steps = t + 1
+                break
+        return list(zip(toks[:n, :steps].tolist(), lps[:n, :steps].tolist()))
+
+    def _decode(self, tokens: list[int], reason: str) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(tokens[:-1] if reason == "stop" else tokens,
+                                     skip_special_tokens=True)
+
+    # ---- scoring -----------------------------------------------------------------------
+    @torch.no_grad()
+    def score(self, prompt_ids: list[list[int]], response_ids: list[list[int]]
+              ) -> list[list[float]]:
+        """Raw temperature-1 log-probs of each response token (one prefill pass per batch)."""
+        if len(prompt_ids) != len(response_ids):
+            raise ValueError(f"score: {len(prompt_ids)} prompts but {len(response_ids)} responses")
+        check_token_lists("prompt_ids", prompt_ids, self.vocab_size)
+        check_token_lists("response_ids", response_ids, self.vocab_size, allow_empty=True)
+        out: list[list[float]] = [[] for _ in prompt_ids]
+        todo = sorted((i for i, r in enumerate(response_ids) if r),
+                      key=lambda i: len(prompt_ids[i]) + len(response_ids[i]))
+        while todo:
+            batch = [todo.pop(0)]
+            while todo and (len(batch) + 1) * (len(prompt_ids[todo[0]]) + len(response_ids[todo[0]])
+                                               ) <= self.score_batch_tokens:
+                batch.append(todo.pop(0))
+            for j, lp in zip(batch, self._score_batch([prompt_ids[j] for j in batch],
+                                                      [response_ids[j] for j in batch])):
+                out[j] = lp
+        return out
+
+    def _score_batch(self, prompts: list[list[int]], responses: list[list[int]]
+                     ) -> list[list[float]]:
+        seqs = [p + r for p, r in zip(prompts, responses)]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        start = torch.tensor([width - len(s) for s in seqs], dtype=torch.int32, device=self.device)
+        h = self.model.prefill(ids.to(self.device), start, write_cache=False)
+        out = []
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            first = int(start[i]) + len(p) - 1  # position predicting response token 0
+            lp = torch.log_softmax(self.model.logits(h[i, first:first + len(r)]), dim=-1)
+            target = torch.tensor(r, dtype=torch.long, device=lp.device)
+            out.append(lp.gather(-1, target[:, None]).squeeze(-1).tolist())
+        return out
+
+    # ---- weights -----------------------------------------------------------------------
+    def _load(self, named) -> int:
+        count = 0
+        for name, value in named:
+            self.model.set_weight(name, value)
+            count += 1
+        pending = self.model.pending()
+        if pending:
+            raise IncompleteWeightsError(f"fused weights incomplete after loading (a layer must "
+                                         f"arrive whole): {pending[:5]}")
+        return count
+
+    def _load_checkpoint(self, model_dir: Path) -> None:
+        from safetensors import safe_open
+
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"native engine: no *.safetensors in {model_dir}")
+
+        def tensors():
+            for f in files:
+                with safe_open(str(f), framework="pt", device="cpu") as st:
+                    for key in st.keys():
+                        yield key, st.get_tensor(key).to(self.device)
+        self._load(pair_wire(tensors()))
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+                     ) -> None:
+        check_version(self.weight_version, version)
+        self._load(pair_wire((n, t.to(self.device)) for n, t in named_tensors))
+        self.weight_version = version
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, rank: int, backend: str,
+                         timeout_s: float) -> None:
+        from rl.sync.transport import destroy, make_group
+
+        destroy(self._group)
+        device = self.device if backend == "nccl" else torch.device("cpu")
+        self._group = make_group(host, port, world_size, rank, backend, timeout_s, device=device)
+
+    def receive_weights(self, plan, version: int, verify: bool = False) -> dict:
+        """Receive, place (FP8 wire bytes are copied as they are when block-aligned), and wait
+        until the weights are usable on this device; `seconds` covers all of it."""
+        if self._group is None:
+            raise RuntimeError("receive_weights before init_weight_sync")
+        check_version(self.weight_version, version)
+        stats = StreamStats()
+        count = self._load((n, v if self._group.device == self.device else
+                            (tuple(x.to(self.device) for x in v) if isinstance(v, tuple)
+                             else v.to(self.device)))
+                           for n, v in receive_stream(self._group, plan, version, verify, None,
+                                                      stats))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.weight_version = version
+        result = stats.as_dict()
+        result.update(loaded_tensors=count, weight_version=version)
+        return result
+
+    @property
+    def num_sync_ranks(self) -> int:
+        return 1
+
+    def shutdown(self) -> None:
+        from rl.sync.transport import destroy
+
+        destroy(self._group)
+        self._group = None
+        self._graphs.clear()
+

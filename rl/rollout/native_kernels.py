@@ -1,0 +1,355 @@
+"""Decode kernels of the `native` engine: Triton on GPU, a torch reference for CPU and tests.
+
+Every op has `impl="triton" | "torch"`; both compute the same function (fp32 math inside, output
+in the activation dtype). The Triton versions exist to cut kernel count and bytes per decode step
+(one fused launch where eager torch needs five to ten), which is what decides decode speed for
+small models once CUDA graphs remove the Python overhead.
+
+Ops (shapes: B rows, NH query heads, NKV kv heads, D head dim, L cache length):
+- `rmsnorm(x (M, H), w (H,), eps, residual=None)`: with `residual`, first `h = x + residual`
+  (rounded to x's dtype, as HF adds in the model dtype), returns `(norm(h) * w, h)`.
+- `qk_norm_rope_cache(qkv (B, (NH+2NKV)*D), ...)`: per-head RMSNorm of q and k, rotary embedding
+  at position `pos - start[b]`, q out as (B, NH, D); k and v written into the caches at slot `pos`.
+- `decode_attention(q (B, NH, D), k_cache, v_cache (B, NKV, L, D), start (B,), pos (1,))`: one
+  query per row over cache slots [start[b], pos]; online softmax in fp32 (flash-decoding).
+- `silu_mul(x (M, 2I))`: `silu(x[:, :I]) * x[:, I:]`.
+- `w8a16_linear(x (M, K), w (N, K), scale)`: `x @ deq(w).T` with block-FP8 weights (uint8 view of
+  e4m3, fp32 128x128 block scales) dequantised in registers: the weight crosses HBM as 1 byte.
+- `grouped_linear(x (R, K), w (E, N, K), scale, offs (E+1,))`: rows offs[e]:offs[e+1] of x (sorted
+  by expert) times expert e's weight; FP8 (with scales) or plain BF16 weights.
+
+The Triton interpreter (TRITON_INTERPRET=1) runs these on CPU tensors for the unit tests, with
+fp16 activations: it mishandles bf16 dots (numpy has no bf16). On GPU they run in bf16.
+"""
+from __future__ import annotations
+
+import torch
+
+from rl.quant.block_fp8 import DEFAULT_BLOCK, dequantize_weight_block
+
+try:  # Triton is optional: the CPU engine never needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+# ======================================================================================
+# torch references
+# ======================================================================================
+def _rmsnorm_torch(x, w, eps, residual=None):
+    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    h32 = h.float()
+    y = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+    return y.to(x.dtype), h
+
+
+def _rope_torch(x, cos, sin):
+    """x (..., D) fp32, cos/sin (..., D/2) fp32: HF's rotate_half convention."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, eps):
+    b = qkv.shape[0]
+    d = qn_w.shape[0]
+    p = int(pos.reshape(-1)[0])
+    heads = qkv.float().view(b, nh + 2 * nkv, d)
+    q, k, v = heads[:, :nh], heads[:, nh:nh + nkv], heads[:, nh + nkv:]
+    position = (p - start.long()).clamp(min=0)
+    c, s = cos[position][:, None], sin[position][:, None]
+    q = _rope_torch(_rmsnorm_torch(q, qn_w, eps)[0], c, s)
+    k = _rope_torch(_rmsnorm_torch(k, kn_w, eps)[0], c, s)
+    k_cache[:b, :, p] = k.to(k_cache.dtype)
+    v_cache[:b, :, p] = v.to(v_cache.dtype)
+    return q.to(qkv.dtype)
+
+
+def _attention_torch(q, k_cache, v_cache, start, pos, sm_scale):
+    b, nh, d = q.shape
+    nkv = k_cache.shape[1]
+    end = int(pos.reshape(-1)[0]) + 1
+    k = k_cache[:b, :, :end].float()
+    v = v_cache[:b, :, :end].float()
+    qg = q.float().view(b, nkv, nh // nkv, d)
+    scores = torch.einsum("bhgd,bhld->bhgl", qg, k) * sm_scale
+    slots = torch.arange(end, device=q.device)
+    valid = slots[None, :] >= start.long()[:, None]                         # (B, L)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgl,bhld->bhgd", scores.softmax(-1), v)
+    return out.reshape(b, nh, d).to(q.dtype)
+
+
+def _grouped_torch(x, w, scale, offs):
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
+    bounds = offs.tolist()
+    for e in range(w.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            we = w[e].float() if scale is None else dequantize_weight_block(
+                w[e].view(torch.float8_e4m3fn), scale[e], DEFAULT_BLOCK, torch.float32)
+            out[lo:hi] = x[lo:hi].float() @ we.t()
+    return out.to(x.dtype)
+
+
+# ======================================================================================
+# Triton kernels
+# ======================================================================================
+if triton is not None:
+    @triton.jit
+    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, H, eps,
+                        HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_H)
+        mask = cols < H
+        x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(res_ptr + row * H + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(h_ptr + row * H + cols, x, mask=mask)
+        h = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * H + cols, (h * rstd * w).to(x.dtype), mask=mask)
+
+    @triton.jit
+    def _head_norm_rope(x1, x2, w_ptr, c, s, eps, D: tl.constexpr, HALF: tl.constexpr):
+        d = tl.arange(0, HALF)
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+        x1 = x1 * rstd * tl.load(w_ptr + d).to(tl.float32)
+        x2 = x2 * rstd * tl.load(w_ptr + HALF + d).to(tl.float32)
+        return x1 * c - x2 * s, x2 * c + x1 * s
+
+    @triton.jit
+    def _qk_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, start_ptr, pos_ptr,
+                              q_ptr, kc_ptr, vc_ptr, eps, stride_qkv, stride_cb, stride_ch,
+                              NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+                              HALF: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        d = tl.arange(0, HALF)
+        pos = tl.load(pos_ptr)
+        position = tl.maximum(pos - tl.load(start_ptr + b), 0)
+        src = qkv_ptr + b * stride_qkv + h * D
+        x1 = tl.load(src + d).to(tl.float32)
+        x2 = tl.load(src + HALF + d).to(tl.float32)
+        c = tl.load(cos_ptr + position * HALF + d)
+        s = tl.load(sin_ptr + position * HALF + d)
+        out_ty = q_ptr.dtype.element_ty
+        if h < NH:
+            y1, y2 = _head_norm_rope(x1, x2, qn_ptr, c, s, eps, D, HALF)
+            dst = q_ptr + (b * NH + h) * D
+            tl.store(dst + d, y1.to(out_ty))
+            tl.store(dst + HALF + d, y2.to(out_ty))
+        elif h < NH + NKV:
+            y1, y2 = _head_norm_rope(x1, x2, kn_ptr, c, s, eps, D, HALF)
+            dst = kc_ptr + b * stride_cb + (h - NH) * stride_ch + pos * D
+            tl.store(dst + d, y1.to(out_ty))
+            tl.store(dst + HALF + d, y2.to(out_ty))
+        else:
+            dst = vc_ptr + b * stride_cb + (h - NH - NKV) * stride_ch + pos * D
+            tl.store(dst + d, x1.to(out_ty))
+            tl.store(dst + HALF + d, x2.to(out_ty))
+
+    @triton.jit
+    def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, start_ptr, pos_ptr, sm_scale,
+                            stride_cb, stride_ch, G: tl.constexpr, GP: tl.constexpr,
+                            NH: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr):
+        b = tl.program_id(0)
+        hk = tl.program_id(1)
+        start = tl.load(start_ptr + b)
+        end = tl.load(pos_ptr) + 1
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        q_rows = q_ptr + (b * NH + hk * G + g)[:, None] * D + d[None, :]
+        q = tl.load(q_rows, mask=g[:, None] < G, other=0.0)
+        m = tl.full((GP,), float("-inf"), tl.float32)
+        l_sum = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, D), tl.float32)
+        base = b * stride_cb + hk * stride_ch
+        # Every block visited holds at least one valid slot, so m never stays -inf.
+        for l0 in range((start // BLOCK_L) * BLOCK_L, end, BLOCK_L):
+            slots = l0 + tl.arange(0, BLOCK_L)
+            valid = (slots >= start) & (slots < end)
+            offs = base + slots[:, None] * D + d[None, :]
+            k = tl.load(kc_ptr + offs, mask=valid[:, None], other=0.0)
+            v = tl.load(vc_ptr + offs, mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * sm_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / l_sum[:, None]
+        o_rows = o_ptr + (b * NH + hk * G + g)[:, None] * D + d[None, :]
+        tl.store(o_rows, out.to(o_ptr.dtype.element_ty), mask=g[:, None] < G)
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, y_ptr, I, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < I
+        gate = tl.load(x_ptr + row * 2 * I + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * 2 * I + I + cols, mask=mask, other=0.0).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(y_ptr + row * I + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _mma_rows(x_ptr, w_ptr, s_ptr, rm, rn, row_end, N, K, stride_sn,
+                  FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """acc (BM, BN) = x[rm] @ deq(w[rn]).T; rows >= row_end and cols >= N read as 0."""
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            a = tl.load(x_ptr + rm[:, None] * K + rk[None, :],
+                        mask=(rm[:, None] < row_end) & (rk[None, :] < K), other=0.0)
+            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :],
+                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0)
+            if FP8:
+                w = w.to(tl.float8e4nv, bitcast=True)
+                part = tl.dot(a, tl.trans(w.to(a.dtype)))
+                # BK == 128: one scale per (128-row block of N, this K block).
+                sc = tl.load(s_ptr + (rn // 128) * stride_sn + k0 // 128, mask=rn < N, other=0.0)
+                acc += part * sc[None, :]
+            else:
+                acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+        return acc
+
+    @triton.jit
+    def _linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_sn,
+                       FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        acc = _mma_rows(x_ptr, w_ptr, s_ptr, rm, rn, M, N, K, stride_sn, FP8, BM, BN, BK)
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _grouped_kernel(x_ptr, w_ptr, s_ptr, y_ptr, offs_ptr, N, K, stride_we, stride_se,
+                        stride_sn, FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr):
+        e = tl.program_id(0)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        row_start = tl.load(offs_ptr + e)
+        row_end = tl.load(offs_ptr + e + 1)
+        for m0 in range(row_start, row_end, BM):
+            rm = m0 + tl.arange(0, BM)
+            acc = _mma_rows(x_ptr, w_ptr + e * stride_we, s_ptr + e * stride_se, rm, rn, row_end,
+                            N, K, stride_sn, FP8, BM, BN, BK)
+            tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=(rm[:, None] < row_end) & (rn[None, :] < N))
+
+
+# ======================================================================================
+# Public ops
+# ======================================================================================
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h): h = x (+ residual), y = rmsnorm(h) * w. x, residual (M, H) contiguous."""
+    if impl == "torch":
+        return _rmsnorm_torch(x, w, eps, residual)
+    m, hdim = x.shape
+    y = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else x
+    _rmsnorm_kernel[(m,)](x, residual if residual is not None else x, w, y, h, hdim, eps,
+                          HAS_RES=residual is not None, BLOCK_H=_next_pow2(hdim))
+    return y, h
+
+
+def qk_norm_rope_cache(qkv: torch.Tensor, qn_w: torch.Tensor, kn_w: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor,
+                       pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       nh: int, nkv: int, eps: float, impl: str = "torch") -> torch.Tensor:
+    """q (B, NH, D); writes k, v of every row into slot `pos` of k_cache / v_cache (B', NKV, L, D)."""
+    if impl == "torch":
+        return _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, eps)
+    b = qkv.shape[0]
+    d = qn_w.shape[0]
+    q = torch.empty(b, nh, d, dtype=qkv.dtype, device=qkv.device)
+    _qk_rope_cache_kernel[(b, nh + 2 * nkv)](
+        qkv, qn_w, kn_w, cos, sin, start, pos, q, k_cache, v_cache, eps, qkv.stride(0),
+        k_cache.stride(0), k_cache.stride(1), NH=nh, NKV=nkv, D=d, HALF=d // 2)
+    return q
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     start: torch.Tensor, pos: torch.Tensor, sm_scale: float,
+                     impl: str = "torch", block_l: int = 64) -> torch.Tensor:
+    """(B, NH, D) attention output of one query per row over slots [start[b], pos]."""
+    if impl == "torch":
+        return _attention_torch(q, k_cache, v_cache, start, pos, sm_scale)
+    b, nh, d = q.shape
+    nkv = k_cache.shape[1]
+    g = nh // nkv
+    out = torch.empty_like(q)
+    _decode_attn_kernel[(b, nkv)](q, k_cache, v_cache, out, start, pos, sm_scale,
+                                  k_cache.stride(0), k_cache.stride(1), G=g,
+                                  GP=max(16, _next_pow2(g)), NH=nh, D=d, BLOCK_L=block_l)
+    return out
+
+
+def silu_mul(x: torch.Tensor, impl: str = "torch") -> torch.Tensor:
+    """(M, 2I) -> (M, I): silu(gate) * up, gate and up fused as HF's gate_up layout."""
+    half = x.shape[-1] // 2
+    if impl == "torch":
+        x32 = x.float()
+        return (torch.nn.functional.silu(x32[:, :half]) * x32[:, half:]).to(x.dtype)
+    y = torch.empty(x.shape[0], half, dtype=x.dtype, device=x.device)
+    block = min(1024, _next_pow2(half))
+    _silu_mul_kernel[(x.shape[0], triton.cdiv(half, block))](x, y, half, BLOCK=block)
+    return y
+
+
+def _tiles(m: int, n: int) -> tuple[int, int]:
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    # Small GEMMs at decode: narrower N tiles so the grid fills the GPU.
+    bn = 32 if triton.cdiv(m, bm) * triton.cdiv(n, 64) < 256 else 64
+    return bm, bn
+
+
+def w8a16_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
+                 impl: str = "torch") -> torch.Tensor:
+    """x (M, K) @ deq(w (N, K)).T -> (M, N) in x's dtype. `w` uint8 (e4m3 bytes) with fp32
+    `scale` (ceil(N/128), ceil(K/128)), or a float weight with `scale=None`."""
+    if impl == "torch":
+        wf = w.float() if scale is None else dequantize_weight_block(
+            w.view(torch.float8_e4m3fn), scale, DEFAULT_BLOCK, torch.float32)
+        return (x.float() @ wf.t()).to(x.dtype)
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bm, bn = _tiles(m, n)
+    fp8 = scale is not None
+    _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        x, w, scale if fp8 else w, y, m, n, k, scale.stride(0) if fp8 else 0,
+        FP8=fp8, BM=bm, BN=bn, BK=128)
+    return y
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
+                   offs: torch.Tensor, impl: str = "torch") -> torch.Tensor:
+    """x (R, K) rows sorted by expert, w (E, N, K), offs (E+1,) int32 row bounds -> (R, N)."""
+    if impl == "torch":
+        return _grouped_torch(x, w, scale, offs)
+    r, k = x.shape
+    e, n, _ = w.shape
+    y = torch.empty(r, n, dtype=x.dtype, device=x.device)
+    bm = 16 if r <= 16 * e else 64
+    bn = 64
+    fp8 = scale is not None
+    _grouped_kernel[(e, triton.cdiv(n, bn))](
+        x, w, scale if fp8 else w, y, offs, n, k, w.stride(0),
+        scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
+        FP8=fp8, BM=bm, BN=bn, BK=128)
+    return y

