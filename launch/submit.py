@@ -38,10 +38,10 @@ def run_local(cfg, args) -> int:
     print(f"local job {job.job_id} started; logs: {job.paths.stdout}", flush=True)
 
     def forward(signum, _frame):  # Ctrl-C / TERM: ask the job to checkpoint and stop
-        print(f"\nforwarding {signal.Signals(signum).name} to the job as SIGUSR1 (checkpoint and stop)",
-              flush=True)
+        # submitit's local controller forwards SIGTERM to the task, where rl.signals handles it.
+        print(f"\n{signal.Signals(signum).name}: asking the job to checkpoint and stop", flush=True)
         try:
-            job._process.send_signal(signal.SIGUSR1)
+            job._process.send_signal(signal.SIGTERM)
         except Exception:  # noqa: BLE001 - the job may already be gone
             pass
 
@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
     p.add_argument("--force", action="store_true", help="resume despite config differences")
     p.add_argument("--no-plan-check", action="store_true", help="skip the memory plan check")
+    p.add_argument("--wait", action="store_true",
+                   help="Slurm: follow the job (through requeues) and stream its output; exit "
+                        "status 0 when the run finished (a local run always waits)")
     args = p.parse_args(argv)
     cfg = load_or_exit(args.config, args.overrides)
     if cfg.cluster.kind == "local":

@@ -323,15 +323,21 @@ class ClusterConfig:
     trainer: SlurmGroupConfig = field(default_factory=lambda: SlurmGroupConfig(nodes=2))
     rollout: SlurmGroupConfig = field(default_factory=SlurmGroupConfig)
     max_requeues: int = 3
+    """The job requeues itself (`scontrol requeue`) after a stop signal while
+    SLURM_RESTART_COUNT < max_requeues; then it stops with its checkpoint (resubmit to resume).
+    Preemption requeues are Slurm's own and are not capped by this."""
     signal_before_end_s: int = 120
-    """Slurm sends USR1 this long before the time limit."""
+    """Slurm sends USR2 (submitit's preemption signal) this long before the time limit; with
+    preemption grace time the same signal announces a preemption."""
     ray_start_timeout_s: float = 120.0
     placement_timeout_s: float = 300.0
+    ray_object_store_mb: int = 0
+    """Ray object store per node [MiB]; 0 = Ray's default (30% of the node's RAM)."""
     slurm_params: dict[str, str] = field(default_factory=dict)
     """Extra sbatch options applied to both components (validated against a table)."""
 
     def __post_init__(self) -> None:
-        _non_negative(self, "max_requeues", "signal_before_end_s")
+        _non_negative(self, "max_requeues", "signal_before_end_s", "ray_object_store_mb")
         _positive(self, "ray_start_timeout_s", "placement_timeout_s")
 
 
@@ -361,7 +367,7 @@ class PlanConfig:
     """RAM of one trainer node usable for offloaded state (DGX H200: 2 TiB). If
     `cluster.trainer.mem_gb` is set, the smaller of the two is used (Slurm caps the job there)."""
     nvme_gb: float = 0.0
-    """Local NVMe of one trainer node for `optimizer_offload: nvme` (DGX H200: 8 x 3.84 TB ~ 27900)."""
+    """Local NVMe of one trainer node for `optimizer_offload: nvme` (DGX H200: 8 x 3.84 TB, ~28600)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward (transformers' gradient checkpointing)."""
     optimizer_offload: Literal["none", "cpu", "nvme"] = "none"

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import signal
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,7 +31,7 @@ log = logging.getLogger(__name__)
 # Keys that may change between a run and its resume without changing what it computes.
 RESUME_IGNORED = ("name", "output_dir", "num_steps", "eval", "logging", "checkpoint", "cluster",
                   "sync.timeout_s", "sync.bucket_mb", "sync.verify", "trainer.torch_threads",
-                  "rollout.cpu_kvcache_gb", "sft")
+                  "rollout.cpu_kvcache_gb", "sft", "plan")
 
 
 @dataclass(slots=True)
@@ -138,6 +140,7 @@ class RunContext:
                      self.state.weight_version)
             print(f"resuming {self.run_dir} from checkpoint step {self.state.step}", flush=True)
         self.metrics = MetricsLogger(self.run_dir, enabled=cfg.logging.tensorboard, purge_step=purge)
+        self.log(self.state.step, restart_metrics(self.run_dir))
         if cfg.logging.hdf5:
             self.trajectories = TrajectoryWriter(self.run_dir / "trajectories.h5")
             if found is not None:
@@ -253,6 +256,32 @@ class RunContext:
             self.metrics.close()
         if self.runtime is not None:
             self.runtime.shutdown()
+
+
+def restart_metrics(run_dir: Path) -> dict[str, float]:
+    """What each start of a run logs to TensorBoard (at the step it starts from).
+
+    `slurm/restart_count`: SLURM_RESTART_COUNT (0 outside Slurm). `slurm/requeue_signal`: the
+    number of the signal that stopped this run's previous life, from the `reason` of the events
+    `launch.job.lifecycle` appended to RUN_DIR/lifecycle.jsonl between the previous and the
+    latest `start` (0 if none: a first start, or a life killed before it could record one).
+    """
+    events = []
+    path = run_dir / "lifecycle.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
+    previous = events[starts[-2] + 1: starts[-1]] if len(starts) >= 2 else []
+    signum = 0
+    for e in previous:
+        if str(e.get("reason")) in signal.Signals.__members__:
+            signum = int(signal.Signals[e["reason"]])
+    return {"slurm/restart_count": float(os.environ.get("SLURM_RESTART_COUNT") or 0),
+            "slurm/requeue_signal": float(signum)}
 
 
 def format_step(cfg: Config, step: int, m: dict) -> str:

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 
 from rl.cluster.actors import ActorDied, wait_all
-from rl.cluster.groups import GroupSpec, free_port, make_layout, start_proc_group, start_ray_group
+from rl.cluster.groups import (GroupSpec, bundle_address, bundle_nodes, free_port, make_layout,
+                               start_proc_group, start_ray_group)
 from rl.config import Config
 from rl.rollout.base import Sample, SamplingParams
 from rl.trainer.worker import RankInfo, TrainerWorker
@@ -27,6 +28,8 @@ class EngineHost:
     def __init__(self, kind: str, model_dir: str, cfg, dtype: str, device: str, index: int,
                  verify: bool = False):
         from rl.rollout import create_engine
+        from rl.signals import shield_worker
+        shield_worker()
         self.index, self.verify = index, verify
         self.engine = create_engine(kind, model_dir, cfg, dtype=dtype, device=device)
 
@@ -82,13 +85,20 @@ class Runtime:
         self.total_optimizer_steps = total_optimizer_steps
         gpus = 1 if self.placement.trainer_device == "cuda" else 0
         egpus = cfg.rollout.tensor_parallel_size if self.placement.engine_device == "cuda" else 0
+        slurm = cfg.cluster.kind == "slurm"
         self.trainer_spec, self.rollout_spec = make_layout(
-            cfg.trainer.num_ranks, cfg.rollout.num_engines, gpus, egpus)
+            cfg.trainer.num_ranks, cfg.rollout.num_engines, gpus, egpus,
+            trainer_nodes=cfg.cluster.trainer.nodes if slurm else 1,
+            rollout_nodes=cfg.cluster.rollout.nodes if slurm else 1)
         self._pgs = []
         self.restarts = 0
         t0 = time.perf_counter()
-        self.trainers = self._start(self.trainer_spec, TrainerWorker, self._trainer_args)
+        # Several trainer nodes: the rendezvous is wherever rank 0 landed (else this machine).
+        multi_node = slurm and cfg.cluster.trainer.nodes > 1
+        self.trainers = self._start(self.trainer_spec, TrainerWorker, self._trainer_args,
+                                    on_placed=self._pick_master if multi_node else None)
         self.engines = self._start(self.rollout_spec, EngineHost, self._engine_args)
+        self._log_placement()
         wait_all([a.ready for a in self.trainers + self.engines if hasattr(a, "ready")])
         wait_all([a.call("ping") for a in self.trainers] + [e.call("pid") for e in self.engines])
         self.plan = self.trainers[0].call("sync_plan").result()
@@ -97,8 +107,12 @@ class Runtime:
                  len(self.trainers), len(self.engines), self.placement.backend)
 
     # ---- construction --------------------------------------------------------------------
+    def _pick_master(self, pg) -> None:
+        """The DeepSpeed rendezvous: rank 0's node (bundle 0), which may be another machine."""
+        self._master = bundle_address(pg, 0)
+
     def _trainer_args(self, i: int):
-        if not hasattr(self, "_master"):
+        if not hasattr(self, "_master"):  # plain processes: all on this machine
             self._master = ("127.0.0.1", free_port())
         info = RankInfo(rank=i, world_size=self.cfg.trainer.num_ranks,
                         master_addr=self._master[0], master_port=self._master[1])
@@ -110,17 +124,27 @@ class Runtime:
         return ((self.cfg.rollout.engine, self.model_dir, self.cfg.rollout, dtype,
                  self.placement.engine_device, i, self.cfg.sync.verify), {})
 
-    def _start(self, spec: GroupSpec, cls, args_for):
+    def _start(self, spec: GroupSpec, cls, args_for, on_placed=None):
         env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", ""),
                "OMP_NUM_THREADS": str(self.cfg.trainer.torch_threads),
                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
         env = {k: v for k, v in env.items() if v}
         if self.placement.backend == "ray":
-            actors, pg = start_ray_group(spec, cls, args_for, self.cfg.cluster.placement_timeout_s, env)
+            actors, pg = start_ray_group(spec, cls, args_for, self.cfg.cluster.placement_timeout_s, env,
+                                         on_placed=on_placed)
             self._pgs.append(pg)
             return actors
         return start_proc_group(spec, cls, args_for, env)
+
+    def _log_placement(self) -> None:
+        """One line naming each actor's node (tests/slurm check it): `placement: trainer-0@IP ...`."""
+        if self.placement.backend != "ray":
+            return
+        names = []
+        for spec, pg in zip((self.trainer_spec, self.rollout_spec), self._pgs):
+            names += [f"{spec.name}-{i}@{ip}" for i, ip in enumerate(bundle_nodes(pg))]
+        log.info("placement: %s (trainer rendezvous %s:%d)", " ".join(names), *self._master)
 
     def _connect_sync(self) -> None:
         """(Re)build the weight group: trainer rank 0 is rank 0; the engines follow, each taking

@@ -17,7 +17,21 @@ EXIT_REQUEUE = 75
 EXIT_ABORTED = 3
 """Exit status of a run that aborted (too many non-finite steps) after checkpointing."""
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+
+
+def shield_worker() -> None:
+    """In worker processes (trainer ranks, engines): ignore the stop signals meant for the driver.
+
+    A terminal's Ctrl-C or Slurm's USR1 reaches every process of the group; the workers must stay
+    alive so the driver can still write its checkpoint. (SIGTERM is left alone: it is how a
+    worker is told to go away.)
+    """
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class StopRequest:
@@ -27,8 +41,10 @@ class StopRequest:
         self._previous = {}
 
     def install(self) -> "StopRequest":
+        """Idempotent: call it again after `ray.init`, which replaces the SIGTERM handler."""
         for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
         return self
 
     def uninstall(self) -> None:

@@ -35,8 +35,10 @@ def _mlp(arch: Arch, kind: str) -> int:
         return _norm(h) + h + 4 * field_of(c, src, "intermediate_size")  # gate, up, act, product
     inter = field_of(c, src, "moe_intermediate_size")
     shared = 0
-    if arch.model_type in ("deepseek_v3", "deepseek_v4"):
-        shared = h + 4 * inter * (c.get("n_shared_experts", 1) if arch.model_type == "deepseek_v3" else 1)
+    if arch.model_type == "deepseek_v3":
+        shared = h + 4 * inter * c.get("n_shared_experts", 1)
+    elif arch.model_type == "deepseek_v4":  # one shared MLP, as transformers builds it
+        shared = h + 4 * inter
     router = 2 * 2 * arch.num_experts  # fp32 logits and probabilities
     return _norm(h) + h + router + arch.top_k * (h + 4 * inter) + shared
 
@@ -99,15 +101,15 @@ class Activations:
         return self.layers + self.logits + self.eager_scores
 
 
-def eager_scores_bytes(arch: Arch, seq_len: int, rows: int) -> float:
-    """One layer's eager attention scores: rows x heads x S x S_kv in bf16 (kept for backward)
-    plus the fp32 softmax they are made from. V4 attends over S + S/m entries (window +
+def eager_scores_bytes(arch: Arch, seq_len: int, rows: int, elem_bytes: int = BF16) -> float:
+    """One layer's eager attention scores: rows x heads x S x S_kv in the model dtype (kept for
+    backward) plus the fp32 softmax they are made from. V4 attends over S + S/m entries (window +
     compressed); the sliding-window mask is applied to a full S x S matrix."""
     heads = field_of(arch.config, arch.source, "num_attention_heads")
     kv_len = seq_len
     if arch.model_type == "deepseek_v4":
         kv_len += seq_len // v4_min_rate(arch)
-    return rows * heads * seq_len * kv_len * (BF16 + 4)
+    return rows * heads * seq_len * kv_len * (elem_bytes + 4)
 
 
 def v4_min_rate(arch: Arch) -> int:
@@ -127,6 +129,6 @@ def estimate(arch: Arch, tokens: int, seq_len: int, checkpointing: bool, eager: 
     logits = tokens * arch.vocab * (2 * elem_bytes + 4 + (4 if entropy else 0))
     scores = 0.0
     if eager:
-        one = eager_scores_bytes(arch, seq_len, max(tokens // seq_len, 1))
+        one = eager_scores_bytes(arch, seq_len, max(tokens // seq_len, 1), elem_bytes)
         scores = one if checkpointing else one * arch.num_layers
     return Activations(layers, logits, scores)

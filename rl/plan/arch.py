@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ KEEP_BF16 = ("*embed_tokens*", "*embed.weight", "lm_head*", "*.lm_head*", "head.
 KEEP_BF16_V4 = ("*.compressor.kv_proj.weight", "*.compressor.gate_proj.weight",
                 "*.indexer.kv_proj.weight", "*.indexer.gate_proj.weight", "*.weights_proj.weight")
 _FUSED_EXPERT_SUFFIXES = (".gate_up_proj", ".down_proj", ".up_proj", ".gate_proj")
+_KEEP_RX = re.compile("|".join(fnmatch.translate(p) for p in KEEP_BF16))
+_KEEP_RX_V4 = re.compile("|".join(fnmatch.translate(p) for p in KEEP_BF16 + KEEP_BF16_V4))
 FP8_BLOCK = 128
 
 
@@ -77,6 +80,8 @@ class Arch:
     mlp_kinds: tuple[str, ...] = ()
     """Per layer: `dense` or `moe`."""
     notes: tuple[str, ...] = field(default=())
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+    """Results of pure functions of this Arch (suggestions re-plan many times)."""
 
     @property
     def total_params(self) -> int:
@@ -102,10 +107,12 @@ class Arch:
 
     def largest_module(self) -> int:
         """Parameters of the largest module (ZeRO-3 gathers a module's parameters together)."""
-        sizes: dict[str, int] = defaultdict(int)
-        for t in self.tensors:
-            sizes[t.module] += t.numel
-        return max(sizes.values())
+        if "largest_module" not in self.memo:
+            sizes: dict[str, int] = defaultdict(int)
+            for t in self.tensors:
+                sizes[t.module] += t.numel
+            self.memo["largest_module"] = max(sizes.values())
+        return self.memo["largest_module"]
 
 
 def field_of(c: dict, source: str, *keys: str, default: Any = ...) -> Any:
@@ -127,8 +134,8 @@ def fp8_eligible(name: str, shape: tuple[int, ...], model_type: str = "") -> boo
         eligible = name.endswith(_FUSED_EXPERT_SUFFIXES)
     else:
         eligible = False
-    keep = KEEP_BF16 + (KEEP_BF16_V4 if model_type == "deepseek_v4" else ())
-    return eligible and not any(fnmatch.fnmatchcase(name, p) for p in keep)
+    keep = _KEEP_RX_V4 if model_type == "deepseek_v4" else _KEEP_RX
+    return eligible and keep.match(name) is None
 
 
 def fp8_bytes(shape: tuple[int, ...], block: int = FP8_BLOCK) -> int:
@@ -142,6 +149,11 @@ def fp8_bytes(shape: tuple[int, ...], block: int = FP8_BLOCK) -> int:
 # --------------------------------------------------------------------------------------
 def _norm(name: str, size: int) -> Tensor:
     return Tensor(f"{name}.weight", (size,), tp_shards=1)
+
+
+def _layer_norms(layer: str, hidden: int) -> list[Tensor]:
+    return [_norm(f"{layer}.input_layernorm", hidden),
+            _norm(f"{layer}.post_attention_layernorm", hidden)]
 
 
 def _linear(name: str, out_f: int, in_f: int, bias: bool = False, tp_shards: int | None = None
@@ -201,7 +213,7 @@ def _qwen3(c: dict, src: str, moe: bool) -> Arch:
         else:
             tensors += _swiglu(f"{p}.mlp", hidden, field_of(c, src, "intermediate_size"))
             kinds.append("dense")
-        tensors += [_norm(f"{p}.input_layernorm", hidden), _norm(f"{p}.post_attention_layernorm", hidden)]
+        tensors += _layer_norms(p, hidden)
     tensors += _ends(c, src, hidden, vocab)[1]
     return Arch(c["model_type"], src, c, tuple(tensors), layers, hidden, vocab, top_k, experts,
                 ("full",) * layers, tuple(kinds))
@@ -239,13 +251,13 @@ def _deepseek_v3(c: dict, src: str) -> Arch:
         else:
             tensors += _swiglu(f"{p}.mlp", hidden, field_of(c, src, "intermediate_size"))
             kinds.append("dense")
-        tensors += [_norm(f"{p}.input_layernorm", hidden), _norm(f"{p}.post_attention_layernorm", hidden)]
+        tensors += _layer_norms(p, hidden)
     tensors += _ends(c, src, hidden, vocab)[1]
     return Arch("deepseek_v3", src, c, tuple(tensors), layers, hidden, vocab, top_k, experts,
                 ("mla",) * layers, tuple(kinds))
 
 
-V4_RATIO_TO_TYPE = {0: "sliding_attention", 1: "sliding_attention", 4: "compressed_sparse_attention",
+V4_RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention",
                     128: "heavily_compressed_attention"}
 
 
@@ -259,7 +271,8 @@ def v4_layer_types(c: dict, src: str) -> tuple[str, ...]:
     elif c.get("compress_ratios"):
         bad = [r for r in c["compress_ratios"] if r not in V4_RATIO_TO_TYPE]
         if bad:
-            raise ModelConfigError(f"{src}: compress_ratios holds {bad}, expected values in 0, 4, 128")
+            raise ModelConfigError(f"{src}: compress_ratios holds {sorted(set(bad))}, "
+                                   "expected values in 0, 4, 128")
         types = [V4_RATIO_TO_TYPE[r] for r in c["compress_ratios"]]
     else:
         types = (["heavily_compressed_attention"] * min(n, 2)
@@ -300,7 +313,8 @@ def _deepseek_v4(c: dict, src: str) -> Arch:
     for i, kind in enumerate(types):
         p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
         tensors += [Tensor(f"{a}.sinks", (heads,))]
-        tensors += _linear(f"{a}.q_a_proj", q_lora, hidden, tp_shards=1) + [_norm(f"{a}.q_a_norm", q_lora)]
+        tensors += _linear(f"{a}.q_a_proj", q_lora, hidden, tp_shards=1)
+        tensors += [_norm(f"{a}.q_a_norm", q_lora)]
         tensors += _linear(f"{a}.q_b_proj", heads * hd, q_lora)
         tensors += _linear(f"{a}.kv_proj", hd, hidden, tp_shards=1) + [_norm(f"{a}.kv_norm", hd)]
         tensors += _linear(f"{a}.o_a_proj", groups * o_lora, heads * hd // groups, tp_shards=groups)
@@ -331,7 +345,7 @@ def _deepseek_v4(c: dict, src: str) -> Arch:
         # transformers builds ONE shared MLP of moe_intermediate_size (n_shared_experts is 1
         # in every published V4 config).
         tensors += _swiglu(f"{p}.mlp.shared_experts", hidden, inter)
-        tensors += [_norm(f"{p}.input_layernorm", hidden), _norm(f"{p}.post_attention_layernorm", hidden)]
+        tensors += _layer_norms(p, hidden)
         tensors += hyper(f"{p}.attn_hc") + hyper(f"{p}.ffn_hc")
     tail = _ends(c, src, hidden, vocab)[1]
     tensors += tail[:1] + [Tensor("model.hc_head.hc_fn", (hc, hc * hidden), 1),

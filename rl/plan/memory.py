@@ -137,8 +137,10 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
         lines.append(place(f"gradients ({'bf16' if bf16 else 'fp32'}"
                            f"{', 1/%d' % n if grads_partitioned else ''})",
                            part(w * P, grads_partitioned), "gpu"))
+    # ZeRO-2/3 with offload: the GPU keeps only the reduce bucket (below); ZeRO-3 also keeps the
+    # bf16 partition in pinned host memory (above), ZeRO-2 reduces straight into the fp32 copy.
     opt_where = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}[opt_dev]
-    if bf16:
+    if bf16 or stage >= 1:  # ZeRO partitions always get an fp32 copy, even of fp32 parameters
         lines.append(place(f"fp32 master weights{' (1/%d)' % n if stage else ''}",
                            part(4 * P, stage >= 1), opt_where))
     lines.append(place(f"AdamW moments m, v (fp32){' (1/%d)' % n if stage else ''}",
@@ -207,6 +209,13 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
 
 def rollout_weight_bytes(arch: Arch, tp: int, fp8: bool) -> tuple[float, float, float]:
     """(total, kept-in-BF16, FP8 block scales) weight bytes on one TP rank."""
+    key = ("rollout_weight_bytes", tp, fp8)
+    if key not in arch.memo:
+        arch.memo[key] = _weight_bytes(arch, tp, fp8)
+    return arch.memo[key]
+
+
+def _weight_bytes(arch: Arch, tp: int, fp8: bool) -> tuple[float, float, float]:
     total = kept = scales = 0.0
     for t in arch.tensors:
         split = min(tp, t.tp_shards or tp)
@@ -287,3 +296,8 @@ def plan_rollout(cfg: Config, arch: Arch) -> GroupPlan:
     # fills whatever weights and overhead leave), so the rollout always "uses" exactly that.
     return GroupPlan("rollout", header, lines, p.gpu_memory_gb * GiB if on_gpu else None,
                      problems=problems, notes=notes, kv=kv, concurrent=concurrent)
+
+
+def line_gpu(g: GroupPlan, prefix: str) -> float:
+    """Per-GPU bytes of the first line whose label starts with `prefix` (for reports, tests)."""
+    return next(ln.gpu for ln in g.lines if ln.label.startswith(prefix))

@@ -13,7 +13,9 @@ from typing import Any
 
 from rl.config import Config
 from rl.plan.arch import Arch
-from rl.plan.memory import GiB, GroupPlan, Line, plan_rollout, plan_trainer, sequence_length, size
+from rl.plan.memory import (
+    GiB, GroupPlan, Line, line_gpu, plan_rollout, plan_trainer, sequence_length, size,
+)
 
 MAX_EXTRA_NODES = 8  # how far the "more nodes" suggestion searches
 
@@ -122,22 +124,22 @@ def trainer_suggestions(cfg: Config, arch: Arch, g: GroupPlan) -> list[str]:
     out = _ladder(cfg, arch, plan_trainer, steps)
     last = with_changes(cfg, {k: v for s in steps for k, v in s.items()}) if steps else cfg
     final = plan_trainer(last, arch)
-    if not final.fits and last.plan.optimizer_offload == "cpu" and final.need("host") > (final.host_budget or 0):
+    host_over = final.host_budget is not None and final.need("host") > final.host_budget
+    if not final.fits and last.plan.optimizer_offload == "cpu" and host_over:
         nvme = plan_trainer(with_changes(last, {"plan.optimizer_offload": "nvme"}), arch)
         hint = "" if cfg.plan.nvme_gb else f" (needs plan.nvme_gb >= {nvme.need('nvme') / GiB:,.0f})"
-        out.append(f"  or instead of host RAM: plan.optimizer_offload=nvme{hint}  ->  {_summary(nvme)}")
+        out.append(f"  or instead of host RAM: plan.optimizer_offload=nvme{hint}  ->  "
+                   f"{_summary(nvme)}")
     if any(ln.label.startswith("activations: eager") for ln in g.lines):
         fused = plan_trainer(with_changes(cfg, {"plan.attention_kernel": "fused"}), arch)
-        out.append("  the eager attention scores alone need "
-                   f"{size(next(ln.gpu for ln in g.lines if ln.label.startswith('activations: eager')))}"
-                   f"; a fused attention kernel in the trainer (then plan.attention_kernel=fused)  ->  "
+        out.append(f"  the eager attention scores alone need {size(line_gpu(g, 'activations: eager'))}; "
+                   "a fused attention kernel in the trainer (then plan.attention_kernel=fused)  ->  "
                    f"{_summary(fused)}")
-    for extra in (_shorter_sequences(cfg, arch, plan_trainer), _more_nodes(cfg, arch, "trainer")):
-        if extra:
-            out.append(extra)
+    extras = (_shorter_sequences(cfg, arch, plan_trainer), _more_nodes(cfg, arch, "trainer"))
+    out += [e for e in extras if e]
     if cfg.algorithm.kl_coef > 0:
-        out.append("  the reference model (algorithm.kl_coef > 0) is a full unpartitioned copy per GPU: "
-                   "algorithm.kl_coef=0 removes it")
+        out.append("  the reference model (algorithm.kl_coef > 0) is a full unpartitioned copy per "
+                   "GPU: algorithm.kl_coef=0 removes it")
     return out
 
 
@@ -156,16 +158,16 @@ def rollout_suggestions(cfg: Config, arch: Arch, g: GroupPlan) -> list[str]:
             steps.append({"rollout.tensor_parallel_size": tp,
                           "rollout.num_engines": max(cl.nodes * cl.gpus_per_node // tp, 1)})
         out += _ladder(cfg, arch, plan_rollout, steps)
-        for extra in (_shorter_sequences(cfg, arch, plan_rollout), _more_nodes(cfg, arch, "rollout")):
-            if extra:
-                out.append(extra)
+        extras = (_shorter_sequences(cfg, arch, plan_rollout), _more_nodes(cfg, arch, "rollout"))
+        out += [e for e in extras if e]
         return out
     waves = math.ceil(batch / (g.concurrent * r.num_engines))
     out.append(f"  fits, but a step's {batch:,} sequences need {waves} waves at full context")
     if r.quantization == "none":
         fp8 = plan_rollout(with_changes(cfg, {"rollout.quantization": "fp8"}), arch)
-        out.append(f"  rollout.quantization=fp8  ->  {fp8.concurrent * r.num_engines:,} concurrent "
-                   f"sequences ({math.ceil(batch / max(fp8.concurrent * r.num_engines, 1))} wave(s))")
+        held = fp8.concurrent * r.num_engines
+        out.append(f"  rollout.quantization=fp8  ->  {held:,} concurrent sequences "
+                   f"({math.ceil(batch / max(held, 1))} wave(s))")
     engines = math.ceil(batch / g.concurrent)
     nodes = math.ceil(engines * r.tensor_parallel_size / cl.gpus_per_node)
     if nodes > cl.nodes:
@@ -200,9 +202,9 @@ def format_group(title: str, g: GroupPlan) -> list[str]:
         used = [f"{size(g.need('gpu'))} of {size(g.gpu_budget)} per GPU "
                 f"({100 * g.need('gpu') / g.gpu_budget:.0f}%)"] if g.gpu_budget else []
         used += [f"{size(g.need(w))} of {size(b)} {u}" for w, b, u in
-                 (("host", g.host_budget, "host RAM per node"), ("nvme", g.nvme_budget, "NVMe per node"))
-                 if b is not None and g.need(w) > 0]
-        out.append(f"  verdict: FITS" + (f" - {'; '.join(used)}" if used else ""))
+                 (("host", g.host_budget, "host RAM per node"),
+                  ("nvme", g.nvme_budget, "NVMe per node")) if b is not None and g.need(w) > 0]
+        out.append("  verdict: FITS" + (f" - {'; '.join(used)}" if used else ""))
     else:
         out.append("  verdict: DOES NOT FIT - " + "; ".join(problems))
     return out
@@ -222,7 +224,8 @@ def model_line(arch: Arch) -> str:
 
 def build(cfg: Config, arch: Arch, title: str, notes: list[str]) -> PlanVerdict:
     trainer, rollout = plan_trainer(cfg, arch), plan_rollout(cfg, arch)
-    lines = [f"Memory plan for {title}", model_line(arch)] + [f"  {n}" for n in (*notes, *arch.notes)]
+    lines = [f"Memory plan for {title}", model_line(arch)]
+    lines += [f"  {n}" for n in (*notes, *arch.notes)]
     lines += [""] + format_group("Trainer", trainer) + [""] + format_group("Rollout", rollout)
     tips = trainer_suggestions(cfg, arch, trainer)
     if tips:

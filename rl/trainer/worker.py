@@ -61,6 +61,11 @@ def ds_config(cfg: TrainerConfig, bf16: bool) -> dict:
             "stage3_param_persistence_threshold": 0,
         },
         "zero_allow_untested_optimizer": True,
+        # Micro-batches are cut by a token budget, so their number varies per mini-batch: the
+        # caller owns the accumulation boundary (backward() accumulates locally, step() reduces
+        # and updates). DeepSpeed's managed counting silently dropped all but the last
+        # micro-batch's gradient under ZeRO-3 here (see tests/rl/trainer).
+        "managed_gradient_accumulation": False,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -69,6 +74,8 @@ def ds_config(cfg: TrainerConfig, bf16: bool) -> dict:
 class TrainerWorker:
     def __init__(self, cfg: TrainerConfig, algo: AlgorithmConfig, sync: SyncConfig, model_dir: str,
                  dtype: str, rank_info: RankInfo, seed: int, total_optimizer_steps: int):
+        from rl.signals import shield_worker
+        shield_worker()
         self.cfg, self.algo, self.sync_cfg = cfg, algo, sync
         self.rank, self.world_size = rank_info.rank, rank_info.world_size
         torch.set_num_threads(cfg.torch_threads)
@@ -198,8 +205,9 @@ class TrainerWorker:
                 group = [mbs[i] for i in group]
                 denom = self._global_denominator(group)
                 for j, mb in enumerate(group):
-                    self.engine.set_gradient_accumulation_boundary(j == len(group) - 1)
-                    logp, ent = self._forward_logprobs(self.engine.module, mb,
+                    # Through the engine (not engine.module): DeepSpeed's forward advances ZeRO-3's
+                    # micro-step, without which each micro-batch overwrites the last one's grads.
+                    logp, ent = self._forward_logprobs(self.engine, mb,
                                                        with_entropy=self.algo.entropy_coef > 0)
                     if ent is None:  # logged only: no graph kept for it
                         with torch.no_grad():
@@ -212,7 +220,6 @@ class TrainerWorker:
                         ref_logp=ref_logp.get(id(mb)), entropy=ent, agg_denominator=denom)
                     # DeepSpeed averages gradients over ranks; the denominator is already global.
                     self.engine.backward(loss * mb.weight * self.world_size)
-                    self.engine.step()
                     if mb.weight > 0:
                         for k, v in st.items():
                             if k.endswith("_max"):
@@ -223,6 +230,7 @@ class TrainerWorker:
                                 stats_sum[k] = stats_sum.get(k, 0.0) + v
                         count += 1
                         num_tokens += int(mb.attention_mask.sum())
+                self.engine.step()
                 norm = self.engine.get_global_grad_norm()
                 grad_norms.append(float(norm) if norm is not None else float("nan"))
                 self.optimizer_steps += 1

@@ -87,6 +87,9 @@ def test_hdf5_trajectories_read_back_with_the_schema(finished_run):
     row = reader.row(per_step)  # first sample of step 2: produced by weight version 1
     assert row["step"] == 2 and row["weight_version"] == 1
     assert len(row["rollout_logprobs"]) == len(row["response_ids"]) == len(row["old_logprobs"]) > 0
+    reader.close()
     import h5py
-    with h5py.File(cfg.run_dir / "trajectories.h5", "r") as f:
+    with h5py.File(cfg.run_dir / "trajectories.h5", "r", locking=False) as f:
         assert f.attrs["schema_version"] == SCHEMA_VERSION
+        assert set(f) >= {"step", "weight_version", "prompt_ids", "response_ids", "rollout_logprobs",
+                          "old_logprobs", "reward", "advantage", "finish_reason"}

@@ -19,7 +19,7 @@ def test_sigterm_and_resume_equals_uninterrupted_run(reference_run, tmp_path):
     proc = start_submit(tmp_path, "resumed")
     run_dir = tmp_path / "resumed"
     wait_for(lambda: len(read_metrics(run_dir)) >= 3, 900, "step 3", proc)
-    os.killpg(proc.pid, signal.SIGTERM)  # the launcher forwards it to the job as USR1
+    proc.send_signal(signal.SIGTERM)  # the launcher forwards it to the job as USR1
     assert proc.wait(300) == 75, "a stopped run exits with EXIT_REQUEUE (75)"
     stopped_at = len(read_metrics(run_dir))
     assert 3 <= stopped_at < 6
