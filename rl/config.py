@@ -384,6 +384,8 @@ class PlanConfig:
     overhead_gb: float = 5.0
     """Per-GPU memory outside the estimate: CUDA context, NCCL buffers, allocator slack; on the
     rollout side also vLLM's profiled activation peak and CUDA graphs."""
+    nvme_path: str = "/local_nvme/deepspeed"
+    """Where ZeRO-Infinity puts optimizer state with `optimizer_offload: nvme` (node-local disk)."""
     model_config: str | None = None
     """A config.json to plan with when `model.path` is not present on this machine (the
     planner reads only config.json, never weights)."""

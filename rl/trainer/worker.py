@@ -48,18 +48,27 @@ def _lr_lambda(cfg: TrainerConfig, total_steps: int):
     return fn
 
 
-def ds_config(cfg: TrainerConfig, bf16: bool) -> dict:
+def ds_config(cfg: TrainerConfig, bf16: bool, memory=None) -> dict:
+    """DeepSpeed config. `memory` (the run's `PlanConfig`) carries the memory-saving settings the
+    planner checks: optimizer/parameter offload and where it goes."""
+    zero: dict = {
+        "stage": cfg.zero_stage,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "stage3_param_persistence_threshold": 0,
+    }
+    if memory is not None and memory.optimizer_offload != "none":
+        zero["offload_optimizer"] = ({"device": "cpu", "pin_memory": True}
+                                     if memory.optimizer_offload == "cpu" else
+                                     {"device": "nvme", "nvme_path": memory.nvme_path, "pin_memory": True})
+    if memory is not None and memory.param_offload != "none":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.grad_clip,
         "bf16": {"enabled": bf16},
-        "zero_optimization": {
-            "stage": cfg.zero_stage,
-            "overlap_comm": False,
-            "contiguous_gradients": True,
-            "stage3_param_persistence_threshold": 0,
-        },
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         # Micro-batches are cut by a token budget, so their number varies per mini-batch: the
         # caller owns the accumulation boundary (backward() accumulates locally, step() reduces
@@ -73,10 +82,11 @@ def ds_config(cfg: TrainerConfig, bf16: bool) -> dict:
 
 class TrainerWorker:
     def __init__(self, cfg: TrainerConfig, algo: AlgorithmConfig, sync: SyncConfig, model_dir: str,
-                 dtype: str, rank_info: RankInfo, seed: int, total_optimizer_steps: int):
+                 dtype: str, rank_info: RankInfo, seed: int, total_optimizer_steps: int,
+                 memory=None):
         from rl.signals import shield_worker
         shield_worker()
-        self.cfg, self.algo, self.sync_cfg = cfg, algo, sync
+        self.cfg, self.algo, self.sync_cfg, self.memory = cfg, algo, sync, memory
         self.rank, self.world_size = rank_info.rank, rank_info.world_size
         torch.set_num_threads(cfg.torch_threads)
         self.device = self._pick_device()
@@ -116,7 +126,7 @@ class TrainerWorker:
         if not dist.is_initialized():
             dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
         bf16 = self.dtype == torch.bfloat16
-        config = ds_config(self.cfg, bf16)
+        config = ds_config(self.cfg, bf16, self.memory)
         # The frozen reference is loaded before ZeRO-3's load-time partitioning is switched on: it
         # is not wrapped by DeepSpeed, so it must hold full tensors.
         ref = None
@@ -131,9 +141,18 @@ class TrainerWorker:
             self._hf_ds = HfDeepSpeedConfig(config)
         model = self._load(model_dir, torch.device("cpu"))
         model.config.use_cache = False
+        if self.memory is not None and self.memory.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-        optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.cfg.lr,
-                                  betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if "offload_optimizer" in config["zero_optimization"]:
+            # The optimizer step runs on the host: DeepSpeed's vectorised CPU Adam (JIT-built once).
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            optim = DeepSpeedCPUAdam(params, lr=self.cfg.lr, betas=tuple(self.cfg.betas),
+                                     weight_decay=self.cfg.weight_decay, adamw_mode=True)
+        else:
+            optim = torch.optim.AdamW(params, lr=self.cfg.lr, betas=tuple(self.cfg.betas),
+                                      weight_decay=self.cfg.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(optim, _lr_lambda(self.cfg, total_steps))
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optim, lr_scheduler=sched,
                                                config=config, dist_init_required=False)
