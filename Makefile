@@ -27,7 +27,7 @@ $(STAMP): requirements/cpu.lock setup.cfg
 	@$(PY) -m pip install -q --upgrade "pip>=24"
 	@$(PY) -m pip install -q --no-deps -r requirements/cpu.lock
 	@$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-	@$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	@mkdir -p .cache && $(PY) -m pip install -q --no-deps --no-build-isolation -e . > .cache/pip-editable.log 2>&1 || (cat .cache/pip-editable.log; exit 1)
 	@$(PY) -c "import torch, vllm, deepspeed, ray, submitit, transformers; print('setup ok: torch', torch.__version__, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__, '| ray', ray.__version__, '| transformers', transformers.__version__)"
 	@touch $@
 
