@@ -54,17 +54,21 @@ def lifecycle(cfg: Config, event: str, **fields) -> None:
         f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
 
 
-def run_job(cfg: Config, resume: bool = True, force: bool = False) -> dict:
+def run_job(cfg: Config, resume: bool = True, force: bool = False,
+            stop: StopRequest | None = None) -> dict:
+    """`stop`: an already installed StopRequest (the Slurm job installs one before Ray starts so
+    that an early signal is not lost); by default one is installed here."""
     from launch.common import quiet_libraries
     from rl.loop import run
     quiet_libraries()
-    stop = StopRequest().install()
+    stop = (stop or StopRequest()).install()
     restart_count = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     lifecycle(cfg, "start", restart_count=restart_count, job_id=os.environ.get("SLURM_JOB_ID"))
     if restart_count:
         print(f"restart {restart_count} of Slurm job {os.environ.get('SLURM_JOB_ID')}", flush=True)
     if cfg.cluster.kind == "local":
         start_local_ray(cfg)
+        stop.install()  # again: ray.init replaced the SIGTERM handler with sys.exit
     result = run(cfg, resume=resume, force=force, stop=stop)
     lifecycle(cfg, result.status, step=result.step, reason=stop.signal_name)
     print(summary(cfg, result), flush=True)

@@ -48,7 +48,8 @@ def status(run_dir: Path) -> dict:
         "state": slurm_state(str(job["job_id"])) if job else (events[-1]["event"] if events else "unknown"),
         "step": metrics[-1]["step"] if metrics else 0,
         "restarts": max((e.get("restart_count", 0) for e in starts), default=0),
-        "last_stop": next((e for e in reversed(events) if e.get("event") in ("stopped", "requeued")), None),
+        "last_stop": next((e for e in reversed(events)
+                           if e.get("event") in ("stopped", "requeued", "interrupted")), None),
         "latest_checkpoint": str(latest[0]) if latest else None,
         "latest_checkpoint_step": latest[1]["step"] if latest else None,
         "last_eval_pass1": next((m["eval/pass1"] for m in reversed(metrics) if "eval/pass1" in m), None),

@@ -1,8 +1,9 @@
 """`python -m launch.submit CONFIG [key=value ...]`: run the RL job.
 
 `cluster.kind: local` (the embedded default) runs it through submitit's local executor on this
-machine with Ray started locally, streaming its progress; `cluster.kind: slurm` submits a
-heterogeneous Slurm job (trainer group + rollout group) and prints where to watch it.
+machine with Ray started locally, streaming its progress; `cluster.kind: slurm` checks the memory
+plan, submits a heterogeneous Slurm job (trainer group + rollout group, `slurm.submit`) and prints
+where to watch it; with `--wait` it follows the job through its requeues instead.
 """
 from __future__ import annotations
 

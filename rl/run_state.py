@@ -25,6 +25,7 @@ from rl.metrics.tensorboard import MetricsLogger
 from rl.metrics.trajectories import TrajectoryWriter
 from rl.rewards.computer import RewardComputer
 from rl.runtime import ActorDied, Runtime
+from rl.sync.transport import SyncError
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,18 @@ class RunContext:
                 self.runtime.restart_dead_engines(self.state.weight_version)
 
     def sync(self, version: int, bump: bool = True) -> dict:
-        stats = self.runtime.sync(version)
+        for attempt in range(3):
+            try:
+                stats = self.runtime.sync(version)
+                break
+            except (ActorDied, SyncError) as e:
+                # A rollout engine died (before or during the update): replace it; the
+                # replacement is brought to `version` as part of the restart.
+                if attempt == 2 or not self.runtime.restart_dead_engines(version):
+                    raise
+                log.warning("weight sync failed (%s); engines restarted and re-synced", e)
+                stats = {"seconds": 0.0, "bytes": 0, "gbytes_per_s": 0.0}
+                break
         self.state.weight_version = version
         versions = self.runtime.engine_versions()
         if any(v != version for v in versions):

@@ -132,14 +132,15 @@ class Runtime:
                "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
         env = {k: v for k, v in env.items() if v}
         if self.placement.backend == "ray":
-            actors, pg = start_ray_group(spec, cls, args_for, self.cfg.cluster.placement_timeout_s, env,
+            actors, pg = start_ray_group(spec, cls, args_for,
+                                         self.cfg.cluster.placement_timeout_s, env,
                                          on_placed=on_placed)
             self._pgs.append(pg)
             return actors
         return start_proc_group(spec, cls, args_for, env)
 
     def _log_placement(self) -> None:
-        """One line naming each actor's node (tests/slurm check it): `placement: trainer-0@IP ...`."""
+        """Logs each actor's node: `placement: trainer-0@IP ... rollout-0@IP` (tests read it)."""
         if self.placement.backend != "ray":
             return
         names = []

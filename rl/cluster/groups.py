@@ -24,22 +24,35 @@ class GroupSpec:
     num_actors: int
     bundle: dict[str, float]
     """Resources per actor, e.g. {"CPU": 1, "GPU": 1, "trainer_node": 0.001}."""
+    strategy: str = "PACK"
+    """Ray placement strategy of the group's bundles (see `spread_strategy`)."""
 
 
-def make_layout(num_trainers: int, num_engines: int, gpus_per_trainer: float, gpus_per_engine: float,
-                cpus_per_actor: float = 1.0) -> tuple[GroupSpec, GroupSpec]:
+def spread_strategy(num_actors: int, num_nodes: int) -> str:
+    """One actor per node when there are exactly as many actors as nodes (STRICT_SPREAD: on CPU
+    nothing else would stop PACK from stacking them on one node); otherwise PACK, which fills
+    node after node and so keeps consecutive ranks together (GPU bundles force the spread)."""
+    return "STRICT_SPREAD" if num_nodes > 1 and num_actors == num_nodes else "PACK"
+
+
+def make_layout(num_trainers: int, num_engines: int, gpus_per_trainer: float,
+                gpus_per_engine: float, cpus_per_actor: float = 1.0, trainer_nodes: int = 1,
+                rollout_nodes: int = 1) -> tuple[GroupSpec, GroupSpec]:
     """Trainer bundles land only on nodes labelled `trainer_node`, engines on `rollout_node`.
 
     The labels are custom node resources of value 1 per node; each bundle asks a sliver of it, so
-    many bundles share a node while never straying to the other group's nodes.
+    many bundles share a node while never straying to the other group's nodes. `trainer_nodes` /
+    `rollout_nodes`: how many nodes carry each label (1 for a local Ray).
     """
     def bundle(label: str, gpus: float) -> dict[str, float]:
         b = {"CPU": cpus_per_actor, label: 0.001}
         if gpus:
             b["GPU"] = gpus
         return b
-    return (GroupSpec("trainer", num_trainers, bundle("trainer_node", gpus_per_trainer)),
-            GroupSpec("rollout", num_engines, bundle("rollout_node", gpus_per_engine)))
+    return (GroupSpec("trainer", num_trainers, bundle("trainer_node", gpus_per_trainer),
+                      spread_strategy(num_trainers, trainer_nodes)),
+            GroupSpec("rollout", num_engines, bundle("rollout_node", gpus_per_engine),
+                      spread_strategy(num_engines, rollout_nodes)))
 
 
 def _wait_placement(pg, spec: GroupSpec, timeout_s: float) -> None:
@@ -60,17 +73,21 @@ def _wait_placement(pg, spec: GroupSpec, timeout_s: float) -> None:
                 f"{need} in {spec.num_actors} bundles, the cluster has {ray.cluster_resources()}")
 
 
-def start_ray_group(spec: GroupSpec, cls, args_for, timeout_s: float, env: dict[str, str] | None = None
+def start_ray_group(spec: GroupSpec, cls, args_for, timeout_s: float,
+                    env: dict[str, str] | None = None, on_placed=None
                     ) -> tuple[list[RayActor], object]:
     """Create one placement group for `spec` and one actor per bundle; `args_for(i)` gives
-    (args, kwargs) of actor i."""
+    (args, kwargs) of actor i. `on_placed(pg)`, if given, runs once the group is placed and
+    before any actor exists (e.g. to learn where bundle 0 landed)."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    pg = placement_group([dict(spec.bundle)] * spec.num_actors, strategy="PACK",
+    pg = placement_group([dict(spec.bundle)] * spec.num_actors, strategy=spec.strategy,
                          name=f"{spec.name}-{os.getpid()}")
     _wait_placement(pg, spec, timeout_s)
+    if on_placed is not None:
+        on_placed(pg)
     remote_cls = ray.remote(cls)
     actors = []
     for i in range(spec.num_actors):
@@ -82,6 +99,36 @@ def start_ray_group(spec: GroupSpec, cls, args_for, timeout_s: float, env: dict[
             runtime_env={"env_vars": dict(env or {})})
         actors.append(RayActor(remote_cls.options(**opts).remote(*args, **kwargs), f"{spec.name}-{i}"))
     return actors, pg
+
+
+def _address_here() -> tuple[str, int]:
+    return node_ip(), free_port()
+
+
+def bundle_address(pg, bundle_index: int = 0) -> tuple[str, int]:
+    """(IP of the node holding `bundle_index` of `pg`, a port free there now).
+
+    Runs a tiny task inside the bundle: across nodes the trainers' rendezvous must be rank 0's
+    node, which only Ray knows once the group is placed. The port is free when the task looks;
+    rank 0 binds it moments later (the usual small race of picking a port in advance).
+    """
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    task = ray.remote(_address_here).options(
+        num_cpus=0.01, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle_index))
+    return tuple(ray.get(task.remote()))
+
+
+def bundle_nodes(pg) -> list[str]:
+    """The node IP of every bundle of a placed group, in bundle order (from Ray's tables)."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    by_bundle = placement_group_table(pg)["bundles_to_node_id"]
+    return [ips.get(by_bundle[i], "?") for i in sorted(by_bundle)]
 
 
 def start_proc_group(spec: GroupSpec, cls, args_for, env: dict[str, str] | None = None) -> list[ProcActor]:

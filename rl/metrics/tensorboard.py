@@ -52,7 +52,7 @@ METRIC_TAGS: dict[str, str] = {
     "sync/seconds": "Wall time of the trainer -> rollout weight update [s].",
     "sync/gbytes_per_s": "Weight-update throughput: sync/bytes / sync/seconds / 1e9 [GB/s].",
     "sync/bytes": "Bytes sent on the wire for one weight update (after FP8 quantisation if on).",
-    "sync/logprob_max_diff": "With sync.check_logprobs: max |trainer - engine| log-prob of a fixed "
+    "sync/logprob_max_diff": "With sync.check_logprobs: max abs(trainer - engine) log-prob of a fixed "
                              "probe sequence right after the update.",
     "time/step": "Wall time of the whole step [s].",
     "time/rollout": "Wall time of generation [s].",
@@ -66,6 +66,11 @@ METRIC_TAGS: dict[str, str] = {
     "faults/rollout_restarts": "Rollout engines restarted after a failure (cumulative count).",
     "faults/skipped_steps": "Steps skipped for a non-finite loss or gradient (cumulative count).",
     "weights/version": "Weight version served by the rollout engines after this step's sync.",
+    "slurm/restart_count": "SLURM_RESTART_COUNT at each (re)start of the run, logged at the step "
+                           "it starts from (0 outside Slurm) [count].",
+    "slurm/requeue_signal": "Number of the signal that stopped the run's previous life, logged at "
+                            "each start (10 USR1, 12 USR2 = time limit or preemption, 15 TERM; "
+                            "0 = first start or no signal recorded).",
 }
 
 _TAG_RE = re.compile(r"^[a-z0-9_]+/[a-z0-9_]+$")

@@ -146,7 +146,9 @@ if ! pid_alive "$RUN/mysqld.pid"; then
     mariadb-install-db --no-defaults --user=root --datadir="$RL_SLURM_DIR/mysql" \
       --auth-root-authentication-method=normal --skip-test-db >"$LOG/mariadb-install.log" 2>&1
   fi
-  mariadbd --no-defaults --user=root --datadir="$RL_SLURM_DIR/mysql" --socket="$DB_SOCKET" \
+  # setsid: its own session, so that killing the caller's process group (a test runner's
+  # timeout) does not take the database down with it (the other daemons daemonize themselves)
+  setsid mariadbd --no-defaults --user=root --datadir="$RL_SLURM_DIR/mysql" --socket="$DB_SOCKET" \
     --port="$RL_SLURM_DB_PORT" --bind-address=127.0.0.1 --skip-name-resolve \
     --pid-file="$RUN/mysqld.pid" --log-error="$LOG/mariadb.log" \
     --innodb-buffer-pool-size=64M --innodb-lock-wait-timeout=900 >/dev/null 2>&1 9>&- &

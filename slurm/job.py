@@ -1,0 +1,131 @@
+"""What the Slurm job runs (once, on the first trainer node): Ray across the allocation, the RL
+job, and a requeue after a stop signal.
+
+One life of the allocation:
+ 1. install the stop handlers (USR1/USR2/TERM/INT) before anything slow. They replace submitit's
+    (its USR2 handler would requeue without our checkpoint; it ignores TERM);
+ 2. `start_ray(run_dir)`: the head here, a worker on every node of both het groups, per-job token;
+ 3. `launch.job.run_job`: the loop, which resumes from the latest checkpoint if there is one;
+ 4. a stop signal makes the loop finish its step, checkpoint and raise `Requeue`. Then, while
+    SLURM_RESTART_COUNT < cluster.max_requeues, `scontrol requeue` puts the same job id back in
+    the queue and this process exits without a result (so submitit and `launch.submit --wait`
+    keep waiting for the restart); past the limit the job ends with `RequeueLimit`;
+ 5. Ray is stopped in every case.
+
+SIGTERM (`scontrol requeue` from outside, preemption after its grace time, `scancel`) reaches every
+step of the job at once: Ray dies with it and the checkpoint of the step in flight is usually not
+written. The next start resumes from the last complete checkpoint (they are written atomically, and
+the loop replays from there exactly). Such a life also ends without a result.
+
+Every transition is an event in RUN_DIR/lifecycle.jsonl (`launch.status` reads it): `start`,
+`stopped`, `requeued`, `requeue_limit`, `interrupted`, `done`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import typing as tp
+
+from launch.job import Requeue, lifecycle, run_job
+from rl.config import Config
+from rl.signals import EXIT_REQUEUE, StopRequest
+from slurm.ray_cluster import RayCluster, RayClusterError, start_ray, stop_ray
+
+log = logging.getLogger(__name__)
+
+
+class RequeueLimit(RuntimeError):
+    """Stopped with a checkpoint, but the job was already requeued `cluster.max_requeues` times."""
+
+
+def restart_count() -> int:
+    """How often Slurm has restarted this job (SLURM_RESTART_COUNT; 0 on the first run)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def slurm_main(cfg: Config, resume: bool = True, force: bool = False) -> dict:
+    """Runs the RL job inside the allocation; returns `run_job`'s summary dict when it finishes.
+
+    Raises:
+        SystemExit(EXIT_REQUEUE) after requeueing the job, or when a signal interrupted the run
+            (no result is pickled: the job comes back).
+        RequeueLimit when stopped with a checkpoint but not allowed to requeue again.
+    """
+    stop = StopRequest().install()
+    job_id = os.environ.get("SLURM_JOB_ID", "?")
+    restarts = restart_count()
+    print(f"Slurm job {job_id}, restart {restarts}, driver on {socket.gethostname()}; "
+          f"run directory {cfg.run_dir.resolve()}", flush=True)
+    cluster = None
+    try:
+        cluster = _start_ray(cfg)
+        stop.install()  # again: ray.init replaced the SIGTERM handler with sys.exit
+        print(f"Ray up: head {cluster.address}, nodes "
+              + ", ".join(f"{n.name}={n.ip} ({n.resource})" for n in cluster.nodes), flush=True)
+        return run_job(cfg, resume, force, stop=stop)
+    except Requeue as e:
+        _check_requeue_limit(cfg, stop, job_id, restarts, str(e))
+        # The event goes first: a preemption's SIGTERM (after GraceTime) may cut what follows.
+        lifecycle(cfg, "requeued", reason=stop.signal_name, restart_count=restarts, job_id=job_id)
+        stop_ray(cluster)  # before `scontrol requeue`, whose SIGTERM would kill Ray half-way
+        cluster = None
+        _requeue(job_id, restarts, cfg.cluster.max_requeues, str(e))
+    except Exception as e:  # noqa: BLE001 - only when a signal caused it, see below
+        if not stop.requested:
+            raise
+        # Most likely a SIGTERM: Slurm is ending every step, Ray included, so the checkpoint
+        # could not be finished. Exit without a result; the restart resumes from the last one.
+        lifecycle(cfg, "interrupted", reason=stop.signal_name, restart_count=restarts,
+                  error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        print(f"interrupted by {stop.signal_name} ({type(e).__name__}); the next start resumes "
+              "from the last complete checkpoint", flush=True)
+        raise SystemExit(EXIT_REQUEUE) from e
+    finally:
+        if cluster is not None:
+            stop_ray(cluster)
+
+
+def _start_ray(cfg: Config, attempts: int = 2) -> RayCluster:
+    """`start_ray`, tried again once if a node did not come up.
+
+    `ray start` gives a node's raylet a fixed 30 s to register with the head; on a node that is
+    busy (or a slow shared file system importing Ray) it can miss that once. `start_ray` tears a
+    failed attempt down completely, so the second attempt starts clean.
+    """
+    store = cfg.cluster.ray_object_store_mb * 2**20 or None
+    for attempt in range(1, attempts + 1):
+        try:
+            return start_ray(cfg.run_dir, timeout_s=cfg.cluster.ray_start_timeout_s,
+                             object_store_bytes=store)
+        except RayClusterError as e:
+            if attempt == attempts:
+                raise
+            print(f"Ray did not start (attempt {attempt} of {attempts}): "
+                  f"{str(e).splitlines()[0]}; trying again", flush=True)
+    raise AssertionError("unreachable")
+
+
+def _check_requeue_limit(cfg: Config, stop: StopRequest, job_id: str, restarts: int,
+                         why: str) -> None:
+    """Raises RequeueLimit (after recording it) when this job may not requeue itself again."""
+    limit = cfg.cluster.max_requeues
+    if restarts >= limit:
+        lifecycle(cfg, "requeue_limit", reason=stop.signal_name, restart_count=restarts)
+        raise RequeueLimit(
+            f"{why}; not requeueing: job {job_id} was already requeued {restarts} times "
+            f"(cluster.max_requeues={limit}). Submit the same config again to resume.")
+
+
+def _requeue(job_id: str, restarts: int, limit: int, why: str) -> tp.NoReturn:
+    """`scontrol requeue` this job, then exit without a result (Slurm restarts the same job id)."""
+    proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    if proc.returncode != 0:
+        # e.g. a preemption that requeues the job itself is already under way
+        print(f"scontrol requeue {job_id} failed ({proc.returncode}): {proc.stderr.strip()}; "
+              "Slurm's own requeue (preemption) or a resubmission resumes the run", flush=True)
+    else:
+        print(f"{why}; requeued job {job_id} (restart {restarts + 1} of at most {limit})",
+              flush=True)
+    raise SystemExit(EXIT_REQUEUE)

@@ -1,0 +1,45 @@
+"""slurm.submit / slurm.job without a cluster: the sbatch text of the target config (golden file)
+and the requeue limit."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from rl.config import load_config
+from rl.signals import StopRequest
+from slurm.job import RequeueLimit, _check_requeue_limit
+from slurm.submit import make_executor
+
+REPO = Path(__file__).resolve().parents[2]
+DSV4 = REPO / "configs" / "deepseek_v4_flash_3node.yaml"
+GOLDEN = Path(__file__).parent / "golden" / "deepseek_v4_flash_3node.sbatch"
+
+
+@pytest.mark.skipif(not DSV4.exists(), reason=f"{DSV4.name} is missing")
+def test_deepseek_v4_flash_3node_sbatch_text_matches_golden_file():
+    cfg = load_config(DSV4, [])
+    executor = make_executor(cfg, python="/opt/rl/.venv/bin/python", repo=Path("/opt/rl"))
+    text = executor.submission_text()
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), f"regenerate with UPDATE_GOLDEN=1 if intended:\n{text}"
+    # what the golden file pins, spelled out: 2 x 8 GPUs + 1 x 8 GPUs, one job, requeueable
+    head, rollout = text.split("#SBATCH hetjob\n")
+    assert "#SBATCH --nodes=2" in head and "#SBATCH --gpus-per-node=8" in head
+    assert "#SBATCH --nodes=1" in rollout and "#SBATCH --gpus-per-node=8" in rollout
+    assert f"#SBATCH --signal=USR2@{cfg.cluster.signal_before_end_s}" in head
+    assert all("#SBATCH --requeue" in part for part in (head, rollout))
+    assert f"--output={cfg.run_dir}/submitit/%j_0_log.out" in head
+    assert "-m submitit.core._submit" in rollout.splitlines()[-1]
+
+
+def test_stop_past_max_requeues_ends_with_a_clear_error(tmp_path):
+    cfg = load_config(REPO / "configs" / "slurm_cpu_test.yaml",
+                      [f"output_dir={tmp_path}", "cluster.max_requeues=2"])
+    stop = StopRequest()
+    stop.request("SIGUSR2")
+    with pytest.raises(RequeueLimit, match=r"already requeued 2 times \(cluster.max_requeues=2\)"):
+        _check_requeue_limit(cfg, stop, "77", restarts=2, why="stopped on SIGUSR2 at step 4")
+    events = [json.loads(x) for x in (cfg.run_dir / "lifecycle.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "requeue_limit" and events[-1]["reason"] == "SIGUSR2"

@@ -1,0 +1,256 @@
+"""The RL job as one heterogeneous Slurm job on the real test cluster: 2 trainer nodes (n1, n2)
++ 1 rollout node (n3), Ray spanning them, requeue and preemption with exact resume.
+
+Two runs of configs/slurm_cpu_test.yaml go side by side (module fixture `runs`, ~10 min):
+- `reference`: `python -m launch.submit ... --wait`, in the `urgent` partition (never preempted)
+  with 1 CPU per node: uninterrupted, 6 steps.
+- `interrupted`: the same config in `batch` with 2 CPUs per node, submitted without --wait. Once
+  it logged step 3 it is requeued from outside (`scontrol requeue`: SIGTERM to every step, Ray
+  dies, the restart resumes from the last complete checkpoint); once the restarted job logged a
+  new step, an `urgent` job asking for 3 of n1's 4 CPUs preempts it (Slurm sends USR2 first:
+  the driver checkpoints and requeues). It must end with the reference's per-step metrics.
+The preemptor can only start by preempting `interrupted` (2 CPUs on n1), whether the reference
+(1 CPU) still runs or not, so its target is deterministic.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "slurm_cpu_test.yaml"
+_NET = os.environ.get("RL_SLURM_NET", "10.213.7")  # as in slurm/testing/config.sh
+NODE_IPS = {"n1": f"{_NET}.11", "n2": f"{_NET}.12", "n3": f"{_NET}.13"}
+COMPARED = ("reward/mean", "reward/std", "train/loss", "train/kl", "train/grad_norm",
+            "train/entropy", "rollout/response_length", "eval/pass1")
+RUN_TIMEOUT_S = 1500
+
+
+def _submit_cmd(out: Path, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "launch.submit", str(CONFIG), f"output_dir={out}",
+            f"name={name}", *extra]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written
+    return out
+
+
+def job_output(run_dir: Path) -> str:
+    job = json.loads((run_dir / "slurm_job.json").read_text())
+    path = Path(job["stdout"])
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def leader_state(job_id: str) -> str:
+    out = subprocess.run(["sacct", "-n", "-P", "-X", "-o", "JobID,State", "-j", job_id],
+                         capture_output=True, text=True).stdout
+    states = dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
+    return states.get(f"{job_id}+0", "")
+
+
+def final_state(job_id: str, timeout_s: float) -> str:
+    """The hetjob leader's state once sacct reports it ended."""
+    unfinished = ("", "PENDING", "RUNNING", "REQUEUED", "COMPLETING", "PREEMPTED")
+    return wait_until(lambda: (s := leader_state(job_id)) not in unfinished and s, timeout_s,
+                      f"job {job_id} to end", poll_s=3)
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(poll_s)
+    return value
+
+
+def _new_step_after_resume(run_dir: Path, restart: int) -> bool:
+    """The job's output shows its `restart`-th resume followed by at least one trained step."""
+    parts = job_output(run_dir).split("\nresuming ")
+    return len(parts) > restart and re.search(r"^step +\d+/", parts[restart], re.M) is not None
+
+
+def interrupt(run_dir: Path, job_id: str, out: Path, record: dict) -> None:
+    """Requeue `job_id` from outside after step 3; preempt it after the restart's first step."""
+    try:
+        wait_until(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 3, RUN_TIMEOUT_S,
+                   "step 3 of the first run")
+        record["requeued_at_step"] = len(read_jsonl(run_dir / "metrics.jsonl"))
+        subprocess.run(["scontrol", "requeue", job_id], check=True, capture_output=True)
+        wait_until(lambda: _new_step_after_resume(run_dir, 1), RUN_TIMEOUT_S,
+                   "a trained step after the first resume")
+        record["preempted_at_step"] = len(read_jsonl(run_dir / "metrics.jsonl"))
+        urgent = subprocess.run(
+            ["sbatch", "--parsable", "-p", "urgent", "-w", "n1", "-c", "3", "-J", "preemptor",
+             "-o", str(out / "urgent.out"), "--wrap", "sleep 2"],
+            check=True, capture_output=True, text=True)
+        record["preemptor"] = urgent.stdout.strip()
+    except BaseException as e:  # noqa: BLE001 - reported by the test that needs it
+        record["error"] = repr(e)
+    finally:
+        record["done"] = True
+
+
+@pytest.fixture(scope="module")
+def runs(slurm_cluster, tmp_path_factory, request):
+    failed_before = request.session.testsfailed
+    out = tmp_path_factory.mktemp("slurm_rl")
+    ref_log = open(out / "reference.log", "w")
+    reference = subprocess.Popen(
+        _submit_cmd(out, "reference", "cluster.trainer.partition=urgent",
+                    "cluster.rollout.partition=urgent", "cluster.trainer.cpus_per_node=1",
+                    "cluster.rollout.cpus_per_node=1", "--wait"),
+        cwd=REPO, env=_env(), stdout=ref_log, stderr=subprocess.STDOUT)
+    job_ids = []
+    try:
+        # Two Ray clusters starting at once on 2 busy cores can miss `ray start`'s fixed 30 s
+        # registration window: let the reference's Ray come up first.
+        wait_until(lambda: "Ray up" in (out / "reference.log").read_text()
+                   or reference.poll() is not None, 600, "the reference's Ray cluster")
+        sub = subprocess.run(_submit_cmd(out, "interrupted"), cwd=REPO, env=_env(),
+                             capture_output=True, text=True, timeout=300)
+        assert sub.returncode == 0, sub.stdout + sub.stderr
+        interrupted_dir = out / "interrupted"
+        job_id = json.loads((interrupted_dir / "slurm_job.json").read_text())["job_id"]
+        job_ids.append(job_id)
+        record: dict = {"job_id": job_id}
+        thread = threading.Thread(target=interrupt, args=(interrupted_dir, job_id, out, record),
+                                  daemon=True)
+        thread.start()
+        yield {"out": out, "reference": reference, "reference_log": out / "reference.log",
+               "interrupted_dir": interrupted_dir, "record": record, "job_ids": job_ids}
+    finally:
+        if reference.poll() is None:
+            reference.terminate()
+            reference.wait(30)
+        ref_job = out / "reference" / "slurm_job.json"
+        if ref_job.exists():
+            job_ids.append(json.loads(ref_job.read_text())["job_id"])
+        if job_ids:  # leave no job behind on failure (a no-op for finished ones)
+            subprocess.run(["scancel", *job_ids], capture_output=True)
+        if request.session.testsfailed == failed_before:  # keep Ray's node logs of a failure
+            for job_id in job_ids:
+                for node in NODE_IPS:
+                    shutil.rmtree(f"/tmp/rlray-{job_id}-{node}", ignore_errors=True)
+
+
+def _placement(run_dir: Path) -> dict[str, str]:
+    """actor name -> node IP, from the last `placement:` line the driver logged."""
+    lines = [ln for ln in (run_dir / "driver.log").read_text().splitlines() if "placement: " in ln]
+    assert lines, "the driver logged no placement line"
+    words = lines[-1].split("placement: ", 1)[1].split(" (")[0].split()
+    return dict(w.split("@") for w in words)
+
+
+def _ray_actor_classes(job_id: str, node: str) -> set[str]:
+    """Actor classes whose workers Ray ran on `node` (from Ray's own per-node worker logs)."""
+    logs = Path(f"/tmp/rlray-{job_id}-{node}/session_latest/logs")
+    names = set()
+    for path in list(logs.glob("worker-*.out")) + list(logs.glob("worker-*.err")):
+        for line in path.read_text(errors="replace").splitlines()[:5]:
+            if line.startswith(":actor_name:"):
+                names.add(line.split(":actor_name:", 1)[1].strip())
+    return names
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 300)
+def test_submit_wait_runs_the_loop_on_trainer_and_rollout_nodes(runs):
+    reference = runs["reference"]
+    rc = reference.wait(RUN_TIMEOUT_S)
+    log = runs["reference_log"].read_text()
+    assert rc == 0, log[-4000:]
+    run_dir = runs["out"] / "reference"
+    job_id = json.loads((run_dir / "slurm_job.json").read_text())["job_id"]
+    assert f"submitted Slurm job {job_id}" in log and "tensorboard --logdir" in log
+    assert "step    6/6" in log  # --wait streamed the job's progress
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 7))
+    # Ray spanned the 3 nodes with the group labels ...
+    assert (f"nodes n1={NODE_IPS['n1']} (trainer_node), n2={NODE_IPS['n2']} (trainer_node), "
+            f"n3={NODE_IPS['n3']} (rollout_node)") in log
+    # ... the placement groups put one trainer rank on each trainer node, the engine on n3 ...
+    where = _placement(run_dir)
+    assert sorted([where["trainer-0"], where["trainer-1"]]) == [NODE_IPS["n1"], NODE_IPS["n2"]]
+    assert where["rollout-0"] == NODE_IPS["n3"]
+    # ... and Ray's own per-node worker logs agree.
+    assert _ray_actor_classes(job_id, "n1") == {"TrainerWorker"}
+    assert _ray_actor_classes(job_id, "n2") == {"TrainerWorker"}
+    assert _ray_actor_classes(job_id, "n3") == {"EngineHost"}
+    assert final_state(job_id, 60) == "COMPLETED"
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 300)
+def test_requeue_and_preemption_resume_to_the_uninterrupted_metrics(runs):
+    record, run_dir = runs["record"], runs["interrupted_dir"]
+    job_id = record["job_id"]
+    wait_until(lambda: record.get("done"), RUN_TIMEOUT_S, "the interruptions", poll_s=2)
+    assert "error" not in record, record
+    final = final_state(job_id, RUN_TIMEOUT_S)
+    output = job_output(run_dir)
+    assert final == "COMPLETED", output[-4000:]
+    events = read_jsonl(run_dir / "lifecycle.jsonl")
+    starts = [e for e in events if e["event"] == "start"]
+    assert [e["restart_count"] for e in starts] == [0, 1, 2], events
+    # The preemption went through the signal path: USR2, checkpoint, our own requeue.
+    second_life = events[events.index(starts[1]) + 1: events.index(starts[2])]
+    stopped = [e for e in second_life if e["event"] == "stopped"]
+    assert stopped and stopped[0]["reason"] == "SIGUSR2", second_life
+    assert any(e["event"] == "requeued" and e["reason"] == "SIGUSR2" for e in second_life)
+    # Each restart resumed from a checkpoint written before its interruption.
+    resumed = [int(line.rsplit("step ", 1)[1]) for line in output.splitlines()
+               if line.startswith("resuming ")]
+    assert len(resumed) == 2, resumed
+    assert 2 <= resumed[0] <= record["requeued_at_step"], (resumed, record)
+    assert resumed[1] >= max(resumed[0], record["preempted_at_step"]), (resumed, record)
+    assert events[-1]["event"] == "done" and events[-1]["step"] == 6
+    # Per-step metrics equal the uninterrupted run's, bit for bit.
+    runs["reference"].wait(RUN_TIMEOUT_S)
+    want = read_jsonl(runs["out"] / "reference" / "metrics.jsonl")
+    got = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in got] == [m["step"] for m in want] == list(range(1, 7))
+    for g, w in zip(got, want):
+        for key in COMPARED:
+            if key in w:
+                assert g[key] == w[key], (g["step"], key, g[key], w[key])
+    # TensorBoard shows each start's restart count, and the preemption's signal (USR2 = 12).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    counts = [(e.step, e.value) for e in acc.Scalars("slurm/restart_count")]
+    assert counts == [(0, 0.0), (resumed[0], 1.0), (resumed[1], 2.0)], counts
+    assert acc.Scalars("slurm/requeue_signal")[-1].value == 12.0
+    assert [e.step for e in acc.Scalars("reward/mean")] == list(range(1, 7))
+
+
+@pytest.mark.timeout(300)
+def test_status_shows_state_step_restarts_and_checkpoint(runs):
+    run_dir = runs["interrupted_dir"]
+    if not any(e["event"] == "done" for e in read_jsonl(run_dir / "lifecycle.jsonl")):
+        pytest.skip("the interrupted run did not finish (see the test above)")
+    out = subprocess.run([sys.executable, "-m", "launch.status", str(run_dir)], cwd=REPO,
+                         env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    job_id = runs["record"]["job_id"]
+    assert f"job:        {job_id}  state: COMPLETED" in out.stdout, out.stdout
+    assert "step:       6" in out.stdout
+    assert "restarts:   2  (last: requeued on SIGUSR2)" in out.stdout
+    assert f"checkpoint: {run_dir / 'checkpoints' / 'step_000006'}" in out.stdout
