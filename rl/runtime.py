@@ -125,12 +125,15 @@ class Runtime:
         return ((self.cfg.rollout.engine, self.model_dir, self.cfg.rollout, dtype,
                  self.placement.engine_device, i, self.cfg.sync.verify), {})
 
-    def _start(self, spec: GroupSpec, cls, args_for, on_placed=None):
+    def _env(self) -> dict[str, str]:
         env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", ""),
                "OMP_NUM_THREADS": str(self.cfg.trainer.torch_threads),
                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-        env = {k: v for k, v in env.items() if v}
+        return {k: v for k, v in env.items() if v}
+
+    def _start(self, spec: GroupSpec, cls, args_for, on_placed=None):
+        env = self._env()
         if self.placement.backend == "ray":
             actors, pg = start_ray_group(spec, cls, args_for,
                                          self.cfg.cluster.placement_timeout_s, env,
@@ -215,6 +218,20 @@ class Runtime:
         return wait_all([t.call("load", path, tag) for t in self.trainers])[0]
 
     # ---- faults ----------------------------------------------------------------------------
+    def _replace_engine(self, i: int):
+        """A new engine i: in the rollout group's own bundle i under Ray (freed by the dead one)."""
+        if self.placement.backend == "ray":
+            from rl.cluster.groups import start_ray_actor
+            args, kwargs = self._engine_args(i)
+            new = start_ray_actor(self._pgs[1], i, self.rollout_spec, EngineHost, args, kwargs,
+                                  self._env(), f"rollout-{i}-{os.getpid()}-{time.time_ns() % 10**9}")
+            new.call("pid").result(timeout=self.cfg.cluster.placement_timeout_s)
+            return new
+        (new,) = start_proc_group(GroupSpec(self.rollout_spec.name, 1, self.rollout_spec.bundle),
+                                  EngineHost, lambda _k: self._engine_args(i), self._env())
+        new.ready.result()
+        return new
+
     def restart_dead_engines(self, version: int) -> int:
         """Replace engines that no longer answer, rebuild the sync group, re-send `version`."""
         dead = []
@@ -228,11 +245,7 @@ class Runtime:
         log.warning("rollout engines %s died; restarting and re-syncing weights v%d", dead, version)
         for i in dead:
             self.engines[i].kill()
-            spec = GroupSpec(self.rollout_spec.name, 1, self.rollout_spec.bundle)
-            (new,) = self._start(spec, EngineHost, lambda _k, i=i: self._engine_args(i))
-            if hasattr(new, "ready"):
-                new.ready.result()
-            self.engines[i] = new
+            self.engines[i] = self._replace_engine(i)
         self.trainers[0].call("close_weight_sync").result()
         self._connect_sync()
         self.sync(version)

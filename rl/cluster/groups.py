@@ -73,6 +73,18 @@ def _wait_placement(pg, spec: GroupSpec, timeout_s: float) -> None:
                 f"{need} in {spec.num_actors} bundles, the cluster has {ray.cluster_resources()}")
 
 
+def start_ray_actor(pg, index: int, spec: GroupSpec, cls, args, kwargs, env: dict[str, str] | None,
+                    name: str) -> RayActor:
+    """One actor in bundle `index` of placement group `pg` (also used to replace a dead one)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    opts = dict(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=index),
+        num_cpus=spec.bundle.get("CPU", 1), num_gpus=spec.bundle.get("GPU", 0),
+        max_restarts=0, name=name, runtime_env={"env_vars": dict(env or {})})
+    return RayActor(ray.remote(cls).options(**opts).remote(*args, **kwargs), f"{spec.name}-{index}")
+
+
 def start_ray_group(spec: GroupSpec, cls, args_for, timeout_s: float,
                     env: dict[str, str] | None = None, on_placed=None
                     ) -> tuple[list[RayActor], object]:
@@ -88,16 +100,10 @@ def start_ray_group(spec: GroupSpec, cls, args_for, timeout_s: float,
     _wait_placement(pg, spec, timeout_s)
     if on_placed is not None:
         on_placed(pg)
-    remote_cls = ray.remote(cls)
     actors = []
     for i in range(spec.num_actors):
         args, kwargs = args_for(i)
-        opts = dict(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=i),
-            num_cpus=spec.bundle.get("CPU", 1), num_gpus=spec.bundle.get("GPU", 0),
-            max_restarts=0, name=f"{spec.name}-{i}-{os.getpid()}",
-            runtime_env={"env_vars": dict(env or {})})
-        actors.append(RayActor(remote_cls.options(**opts).remote(*args, **kwargs), f"{spec.name}-{i}"))
+        actors.append(start_ray_actor(pg, i, spec, cls, args, kwargs, env, f"{spec.name}-{i}-{os.getpid()}"))
     return actors, pg
 
 
