@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from rl.quant.block_fp8 import DEFAULT_BLOCK, FP8_DTYPE, FP8_MAX, num_blocks, quantize_weight_block
+from rl.quant.block_fp8 import DEFAULT_BLOCK, FP8_MAX, num_blocks, quantize_weight_block
 
 try:
     import triton
@@ -43,24 +43,32 @@ if triton is not None:
         tl.store(s_ptr + e * NB * KB + nb * KB + kb, scale)
 
 
-def quantize_weight_fast(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_fast(w: torch.Tensor, pow2: bool = False, out: torch.Tensor | None = None,
+                         scale_out: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like `quantize_weight_block(w, 128, pow2)`, but returns the e4m3 values as uint8 bytes
-    (the wire format). `w` (N, K) or (E, N, K) float, any device."""
+    (the wire format). `w` (N, K) or (E, N, K) float, any device. `out` / `scale_out`:
+    contiguous destinations to write into (e.g. views of a sync bucket), else new tensors."""
     if triton is None or not w.is_cuda:
         q8, scale = quantize_weight_block(w, DEFAULT_BLOCK, pow2)
-        return q8.view(torch.uint8), scale
-    return _quantize_triton(w, pow2)
+        q8 = q8.view(torch.uint8)
+        if out is not None:
+            q8 = out.copy_(q8)
+        if scale_out is not None:
+            scale = scale_out.copy_(scale)
+        return q8, scale
+    return _quantize_triton(w, pow2, out, scale_out)
 
 
-def _quantize_triton(w: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_triton(w: torch.Tensor, pow2: bool, out: torch.Tensor | None = None,
+                     scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     w = w.contiguous()
     *lead, n, k = w.shape
     e = lead[0] if lead else 1
     nb, kb = num_blocks(n, DEFAULT_BLOCK), num_blocks(k, DEFAULT_BLOCK)
-    q = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
-    scale = torch.empty(*lead, nb, kb, dtype=torch.float32, device=w.device)
+    q = out if out is not None else torch.empty(w.shape, dtype=torch.uint8, device=w.device)
+    scale = scale_out if scale_out is not None else torch.empty(
+        *lead, nb, kb, dtype=torch.float32, device=w.device)
     _quant_kernel[(e, nb, kb)](w, q, scale, n, k, nb, kb, FP8_MAX, POW2=pow2, BLOCK=DEFAULT_BLOCK)
     return q, scale
 
-
-__all__ = ["FP8_DTYPE", "quantize_weight_fast"]

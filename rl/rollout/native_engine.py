@@ -19,6 +19,7 @@ Runs on CPU too (torch reference kernels, no graphs, fp32): that is what the CPU
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -31,6 +32,7 @@ from rl.rollout.base import (
 )
 from rl.rollout.native_kernels import triton_available
 from rl.rollout.native_model import NativeQwen3, Shape
+from rl.rollout.native_sampling import sample_tokens
 from rl.rollout.native_weights import IncompleteWeightsError
 from rl.rollout.weights import StreamStats, pair_wire, receive_stream
 
@@ -40,30 +42,6 @@ _STOP_CHECK = 16
 
 def _bucket(rows: int, cap: int) -> int:
     return min(1 << max(rows - 1, 0).bit_length(), cap) if rows <= cap else cap
-
-
-def sample_tokens(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 logits (B, V) -> (tokens (B,), raw temperature-1 log-probs (B,))."""
-    lse = torch.logsumexp(logits, dim=-1)
-    if sp.greedy:
-        tok = logits.argmax(-1)
-    else:
-        x = logits / sp.temperature if sp.temperature != 1.0 else logits
-        if 0 < sp.top_k < x.shape[-1]:
-            kth = x.topk(sp.top_k, dim=-1).values[:, -1:]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if sp.top_p < 1.0:
-            sorted_x, idx = x.sort(dim=-1, descending=True)
-            p = sorted_x.softmax(-1)
-            # Drop a token once the mass before it already reaches top_p (the top one stays).
-            drop = (p.cumsum(-1) - p) >= sp.top_p
-            x = torch.empty_like(x).scatter_(-1, idx, sorted_x.masked_fill(drop, float("-inf")))
-        probs = x.softmax(-1)
-        # Exponential race (Gumbel-max): argmax p / E with E ~ Exp(1) samples from p.
-        race = torch.empty_like(probs).exponential_(generator=gen).clamp_(min=1e-20)
-        tok = (probs / race).argmax(-1)
-    return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - lse
 
 
 class _Graph:
@@ -83,7 +61,8 @@ class _Graph:
                 model.decode_step(self.tokens, self.start, self.pos)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: an NCCL watchdog thread (weight-sync group) may poll events meanwhile.
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.logits = model.decode_step(self.tokens, self.start, self.pos)
 
     def __call__(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
@@ -104,6 +83,8 @@ class NativeEngine:
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.device = resolve_device(device)
         if self.device.type == "cuda":
+            if self.device.index is None:  # generators and graphs need a concrete index
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(dtype, self.device)
         config = hf_config or AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
@@ -133,6 +114,7 @@ class NativeEngine:
         self._graphs: dict[int, _Graph] = {}
         self._pool = None
         self._group = None
+        self._jobs = None   # cached weight-sync copy lists (see _copy_jobs)
         if self.model_dir is not None:
             self._load_checkpoint(self.model_dir)
 
@@ -200,7 +182,10 @@ class NativeEngine:
         bb = _bucket(n, self.cfg.max_batch_size)
         rows = rows + [rows[0]] * (bb - n)  # bucket padding: copies, ignored afterwards
         if self.model.ensure_cache(bb):
-            self._graphs.clear()  # they point into the old cache
+            # They point into the old cache. A fresh pool too: reusing the handle of a pool
+            # whose graphs are all gone trips an allocator assert (seen on torch 2.11).
+            self._graphs.clear()
+            self._pool = None
         step, start = self._decoder(bb)     # captured before prefill fills the cache
         width = max(len(r) for r in rows)
         ids = torch.full((bb, width), self.pad_id, dtype=torch.long)
@@ -310,23 +295,79 @@ class NativeEngine:
         self._group = make_group(host, port, world_size, rank, backend, timeout_s, device=device)
 
     def receive_weights(self, plan, version: int, verify: bool = False) -> dict:
-        """Receive, place (FP8 wire bytes are copied as they are when block-aligned), and wait
-        until the weights are usable on this device; `seconds` covers all of it."""
+        """Receive, place, and wait until the weights are usable on this device; `seconds`
+        covers all of it.
+
+        Every wire tensor the engine stores byte for byte (block-aligned FP8 pairs, same-dtype
+        tensors) is copied straight from the bucket into its weight, all of a bucket's copies in
+        one `torch._foreach_copy_`; the destinations are resolved once per plan, so a sync does
+        little per-tensor Python work. The rest (quantise on receive, unaligned FP8 rows, dtype
+        changes) goes through `set_weight` at the end.
+        """
+        from rl.sync.buckets import unpack_bucket
+        from rl.sync.transport import receive_buckets
+
         if self._group is None:
             raise RuntimeError("receive_weights before init_weight_sync")
         check_version(self.weight_version, version)
-        stats = StreamStats()
-        count = self._load((n, v if self._group.device == self.device else
-                            (tuple(x.to(self.device) for x in v) if isinstance(v, tuple)
-                             else v.to(self.device)))
-                           for n, v in receive_stream(self._group, plan, version, verify, None,
-                                                      stats))
+        t0 = time.perf_counter()
+        if self._group.device != self.device:   # gloo to a GPU engine: the generic path
+            stats = StreamStats()
+            count = self._load((n, tuple(x.to(self.device) for x in v) if isinstance(v, tuple)
+                                else v.to(self.device))
+                               for n, v in receive_stream(self._group, plan, version, verify,
+                                                          None, stats))
+        else:
+            jobs = self._copy_jobs(plan)
+            rest, count = [], 0
+            for i, buf in enumerate(receive_buckets(self._group, plan, version, verify,
+                                                    raw=True)):
+                dsts, spans, slow = jobs[i]
+                if dsts:
+                    torch._foreach_copy_(dsts, [buf[a:b] for a, b in spans])
+                count += sum(1 for x in plan.buckets[i].slots  # tensors, a pair counts once
+                             if x.name not in slow and not x.name.endswith("_scale_inv"))
+                if slow:
+                    rest += [(n, t) for n, t in unpack_bucket(plan.buckets[i], buf) if n in slow]
+            count += self._load(pair_wire(rest))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.weight_version = version
-        result = stats.as_dict()
-        result.update(loaded_tensors=count, weight_version=version)
-        return result
+        seconds = time.perf_counter() - t0
+        return {"bytes": plan.total_bytes, "num_tensors": plan.num_tensors, "seconds": seconds,
+                "gbytes_per_s": plan.total_bytes / max(seconds, 1e-9) / 1e9,
+                "loaded_tensors": count, "weight_version": version}
+
+    def _copy_jobs(self, plan):
+        """Per bucket: (destination byte views, (start, end) byte spans in the bucket, names of
+        slots that need `set_weight`); cached per plan layout."""
+        key = tuple((s.name, s.dtype, s.shape, s.offset) for b in plan.buckets for s in b.slots)
+        if self._jobs is not None and self._jobs[0] == key:
+            return self._jobs[1]
+        jobs = []
+        for i, bucket in enumerate(plan.buckets):
+            dsts, srcs, slow = [], [], set()
+            by_name = {s.name: s for s in bucket.slots}
+            for s in bucket.slots:
+                if s.name.endswith("_scale_inv"):
+                    continue  # placed with its weight
+                scale = by_name.get(s.name + "_scale_inv") if s.dtype == "uint8" else None
+                dest = self.model.byte_destination(s.name, s.dtype, s.shape)
+                if dest is None or (dest[1] is None) != (scale is None):
+                    slow.add(s.name)
+                    if scale is not None:
+                        slow.add(scale.name)
+                    continue
+                for dst, slot in ((dest[0], s), (dest[1], scale)):
+                    if slot is not None:
+                        if dst.numel() != slot.nbytes:
+                            raise ValueError(f"{slot.name}: {slot.nbytes} bytes on the wire, "
+                                             f"{dst.numel()} in the engine")
+                        dsts.append(dst)
+                        srcs.append((slot.offset, slot.offset + slot.nbytes))
+            jobs.append((dsts, srcs, slow))
+        self._jobs = (key, jobs)
+        return jobs
 
     @property
     def num_sync_ranks(self) -> int:
@@ -338,4 +379,5 @@ class NativeEngine:
         destroy(self._group)
         self._group = None
         self._graphs.clear()
+        self._jobs = None
 

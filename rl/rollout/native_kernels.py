@@ -134,7 +134,7 @@ if triton is not None:
                               q_ptr, kc_ptr, vc_ptr, eps, stride_qkv, stride_cb, stride_ch,
                               NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
                               HALF: tl.constexpr):
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)  # b x cache stride can pass 2^31 for big caches
         h = tl.program_id(1)
         d = tl.arange(0, HALF)
         pos = tl.load(pos_ptr)
@@ -164,7 +164,7 @@ if triton is not None:
     def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, start_ptr, pos_ptr, sm_scale,
                             stride_cb, stride_ch, G: tl.constexpr, GP: tl.constexpr,
                             NH: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr):
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)
         hk = tl.program_id(1)
         start = tl.load(start_ptr + b)
         end = tl.load(pos_ptr) + 1
@@ -206,11 +206,12 @@ if triton is not None:
         tl.store(y_ptr + row * I + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _mma_rows(x_ptr, w_ptr, s_ptr, rm, rn, row_end, N, K, stride_sn,
+    def _mma_rows(x_ptr, w_ptr, s_ptr, rm, rn, row_end, N, K, stride_sn, k_lo, k_hi,
                   FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """acc (BM, BN) = x[rm] @ deq(w[rn]).T; rows >= row_end and cols >= N read as 0."""
+        """acc (BM, BN) = x[rm, k_lo:k_hi] @ deq(w[rn, k_lo:k_hi]).T; rows >= row_end and
+        cols >= N read as 0."""
         acc = tl.zeros((BM, BN), tl.float32)
-        for k0 in range(0, K, BK):
+        for k0 in range(k_lo, k_hi, BK):
             rk = k0 + tl.arange(0, BK)
             a = tl.load(x_ptr + rm[:, None] * K + rk[None, :],
                         mask=(rm[:, None] < row_end) & (rk[None, :] < K), other=0.0)
@@ -227,26 +228,30 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_sn,
+    def _linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_sn, k_per_split,
                        FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        acc = _mma_rows(x_ptr, w_ptr, s_ptr, rm, rn, M, N, K, stride_sn, FP8, BM, BN, BK)
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+        ks = tl.program_id(2)  # split-K: partial sums land in y[ks] (fp32), summed outside
+        k_lo = ks * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        acc = _mma_rows(x_ptr, w_ptr, s_ptr, rm, rn, M, N, K, stride_sn, k_lo, k_hi,
+                        FP8, BM, BN, BK)
+        tl.store(y_ptr + ks * M * N + rm[:, None] * N + rn[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
     def _grouped_kernel(x_ptr, w_ptr, s_ptr, y_ptr, offs_ptr, N, K, stride_we, stride_se,
                         stride_sn, FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr):
-        e = tl.program_id(0)
+        e = tl.program_id(0).to(tl.int64)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         row_start = tl.load(offs_ptr + e)
         row_end = tl.load(offs_ptr + e + 1)
         for m0 in range(row_start, row_end, BM):
             rm = m0 + tl.arange(0, BM)
             acc = _mma_rows(x_ptr, w_ptr + e * stride_we, s_ptr + e * stride_se, rm, rn, row_end,
-                            N, K, stride_sn, FP8, BM, BN, BK)
+                            N, K, stride_sn, 0, K, FP8, BM, BN, BK)
             tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=(rm[:, None] < row_end) & (rn[None, :] < N))
 
@@ -328,13 +333,21 @@ def w8a16_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
         return (x.float() @ wf.t()).to(x.dtype)
     m, k = x.shape
     n = w.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm, bn = _tiles(m, n)
     fp8 = scale is not None
-    _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, w, scale if fp8 else w, y, m, n, k, scale.stride(0) if fp8 else 0,
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    kblocks = triton.cdiv(k, 128)
+    # Skinny GEMMs with few output tiles (o_proj, down_proj at decode) leave most SMs idle:
+    # split K so that ~2 waves of programs run, each over >= 2 K blocks.
+    split = max(1, min(kblocks // 2, 264 // tiles)) if tiles < 132 else 1
+    per = triton.cdiv(kblocks, split)
+    split = triton.cdiv(kblocks, per)
+    y = torch.empty((split, m, n) if split > 1 else (m, n),
+                    dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+        x, w, scale if fp8 else w, y, m, n, k, scale.stride(0) if fp8 else 0, per * 128,
         FP8=fp8, BM=bm, BN=bn, BK=128)
-    return y
+    return y.sum(0).to(x.dtype) if split > 1 else y
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,

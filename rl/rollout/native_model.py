@@ -134,12 +134,16 @@ class NativeQwen3:
         self.cos, self.sin = freqs.cos().float().contiguous(), freqs.sin().float().contiguous()
         self.k_cache = self.v_cache = None
         self.cache_rows = 0
+        self._targets: dict[str, Target] = {}
 
     # ---- weights -------------------------------------------------------------------------
     def target(self, name: str) -> Target:
-        s = self.s
-        return resolve_name(name, s.nh, s.nkv, s.head_dim, s.inter, s.moe_inter, list(s.is_moe),
-                            s.tied)
+        t = self._targets.get(name)
+        if t is None:  # cached: every sync resolves the same few hundred names
+            s = self.s
+            t = self._targets[name] = resolve_name(name, s.nh, s.nkv, s.head_dim, s.inter,
+                                                   s.moe_inter, list(s.is_moe), s.tied)
+        return t
 
     @torch.no_grad()
     def set_weight(self, name: str, value) -> None:
@@ -156,6 +160,45 @@ class NativeQwen3:
             raise ValueError(f"weight {name}: got shape {tuple(value.shape)}, expected "
                              f"{tuple(dst.shape)}")
         dst.copy_(value)
+
+    def byte_destination(self, name: str, dtype: str, shape: tuple[int, ...]
+                         ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Flat uint8 views that a wire tensor's raw bytes can be copied into, or None.
+
+        For an FP8 weight (uint8 on the wire): (weight rows, their block-scale rows), when the
+        piece owns whole 128-row blocks of an FP8 slot. For anything else: (destination, None)
+        when the engine stores it with the same dtype and shape. None: needs `set_weight`.
+        """
+        from rl.quant.block_fp8 import DEFAULT_BLOCK, num_blocks
+        try:
+            t = self.target(name)
+        except KeyError:
+            return None
+        flat = lambda x: x.view(torch.uint8).reshape(-1)  # noqa: E731
+        if not t.linear:
+            dst = self.tensors[t.key]
+            ok = str(dst.dtype).removeprefix("torch.") == dtype and tuple(dst.shape) == shape
+            return (flat(dst), None) if ok else None
+        slot = self.linears[t.key]
+        if dtype == "uint8" and not slot.fp8:
+            return None
+        if dtype != "uint8" and (slot.fp8 or str(slot.w.dtype).removeprefix("torch.") != dtype):
+            return None
+        if len(slot.shape) == 3 and t.expert is None:
+            if shape != slot.shape:
+                return None
+            return flat(slot.w), (flat(slot.scale) if slot.fp8 else None)
+        w = slot.w if t.expert is None else slot.w[t.expert]
+        rows = shape[0]
+        if len(shape) != 2 or shape[1] != slot.k or t.row0 + rows > slot.n:
+            return None
+        if not slot.fp8:
+            return flat(w[t.row0:t.row0 + rows]), None
+        if t.row0 % DEFAULT_BLOCK or (rows % DEFAULT_BLOCK and t.row0 + rows != slot.n):
+            return None
+        sc = slot.scale if t.expert is None else slot.scale[t.expert]
+        b0 = t.row0 // DEFAULT_BLOCK
+        return flat(w[t.row0:t.row0 + rows]), flat(sc[b0:b0 + num_blocks(rows, DEFAULT_BLOCK)])
 
     def pending(self) -> list[str]:
         return [f"{k}[{e}]" for k, slot in self.linears.items() for e in slot.pending()]

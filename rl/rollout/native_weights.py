@@ -22,6 +22,7 @@ import torch
 from rl.quant.block_fp8 import (
     DEFAULT_BLOCK, FP8_DTYPE, dequantize_weight_block, num_blocks, quantize_weight_block,
 )
+from rl.quant.fast_quant import quantize_weight_fast
 
 Piece = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """A full-precision (rows, K) tensor, or an FP8 pair (uint8/e4m3 (rows, K), scales)."""
@@ -73,6 +74,14 @@ class LinearSlot:
             vals = piece[0] if isinstance(piece, tuple) else piece
             if tuple(vals.shape) != self.shape:
                 raise ValueError(f"expert stack: got {tuple(vals.shape)}, expected {self.shape}")
+            if self.fp8 and isinstance(piece, tuple):   # whole stack: blocks line up
+                self.w.copy_(piece[0].view(torch.uint8))
+                self.scale.copy_(piece[1])
+                return
+            if self.fp8:
+                quantize_weight_fast(piece.to(self.w.device), self.pow2, out=self.w,
+                                     scale_out=self.scale)
+                return
             for e in range(self.shape[0]):
                 self.set(e, 0, (piece[0][e], piece[1][e]) if isinstance(piece, tuple) else piece[e])
             return
@@ -90,12 +99,13 @@ class LinearSlot:
         if aligned:
             if isinstance(piece, tuple):
                 w8, sc = piece[0].view(torch.uint8), piece[1]
-            else:
-                q8, sc = quantize_weight_block(piece.to(w.device), DEFAULT_BLOCK, self.pow2)
-                w8 = q8.view(torch.uint8)
-            b0 = row0 // DEFAULT_BLOCK
-            w[row0:row0 + rows].copy_(w8)
-            s[b0:b0 + sc.shape[0]].copy_(sc)
+                b0 = row0 // DEFAULT_BLOCK
+                w[row0:row0 + rows].copy_(w8)
+                s[b0:b0 + sc.shape[0]].copy_(sc)
+            else:  # quantise on receive, straight into the slot (one Triton pass on GPU)
+                b0 = row0 // DEFAULT_BLOCK
+                quantize_weight_fast(piece.to(w.device), self.pow2, out=w[row0:row0 + rows],
+                                     scale_out=s[b0:b0 + num_blocks(rows, DEFAULT_BLOCK)])
             return
         buf, seen = self._pending.get(expert) or (
             torch.zeros(self.n, self.k, dtype=torch.float32, device=w.device),

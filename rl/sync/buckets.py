@@ -54,20 +54,33 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
 def make_plan(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> SyncPlan:
-    """Greedy packing in the given order; a tensor larger than a bucket gets a bucket of its own."""
+    """Greedy packing in the given order; a tensor larger than a bucket gets a bucket of its own.
+
+    An FP8 wire pair (`x` followed by `x_scale_inv`) always shares a bucket, so each bucket can
+    be packed and loaded on its own (no half pair waits for the next bucket).
+    """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    specs = list(specs)
     buckets: list[Bucket] = []
     current = Bucket()
     total = 0
-    for name, shape, dtype in specs:
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    for j, (name, shape, dtype) in enumerate(specs):
+        nbytes = _nbytes(shape, dtype)
         offset = -(-current.nbytes // _ALIGN) * _ALIGN
-        if current.slots and offset + nbytes > bucket_bytes:
+        need = nbytes
+        if j + 1 < len(specs) and specs[j + 1][0] == name + "_scale_inv":
+            need = -(-nbytes // _ALIGN) * _ALIGN + _nbytes(specs[j + 1][1], specs[j + 1][2])
+        if current.slots and offset + need > bucket_bytes and not (
+                name.endswith("_scale_inv") and current.slots[-1].name + "_scale_inv" == name):
             buckets.append(current)
             current, offset = Bucket(), 0
         current.slots.append(TensorSlot(name, tuple(int(d) for d in shape),

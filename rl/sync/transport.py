@@ -109,8 +109,9 @@ def send_buckets(group: WeightGroup, plan: SyncPlan, version: int,
 
 
 def receive_buckets(group: WeightGroup, plan: SyncPlan, version: int | None = None,
-                    verify: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Rollout side: yields each bucket's (name, tensor) views as it arrives (then reused)."""
+                    verify: bool = False, raw: bool = False) -> Iterator:
+    """Rollout side: yields each bucket's (name, tensor) views as it arrives (`raw`: the bucket's
+    uint8 buffer instead). Every bucket gets a fresh buffer that lives as long as its views."""
     header = torch.zeros(3, dtype=torch.int64, device=group.device)
     _wait(_broadcast(group, header, "header"), group, "header")
     got_version, num_buckets, total = (int(x) for x in header.tolist())
@@ -119,20 +120,23 @@ def receive_buckets(group: WeightGroup, plan: SyncPlan, version: int | None = No
                         f"bytes, receiver plan {len(plan.buckets)} / {plan.total_bytes}")
     if version is not None and got_version != version:
         raise SyncError(f"weight sync version mismatch: sender sent {got_version}, expected {version}")
+    def alloc(i: int) -> torch.Tensor:
+        return torch.empty(plan.buckets[i].nbytes, dtype=torch.uint8, device=group.device)
+
     if verify:
         for i, bucket in enumerate(plan.buckets):
-            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
+            buf = alloc(i)
             _wait(_broadcast(group, buf, f"bucket {i}"), group, f"bucket {i}")
             digest = torch.zeros(20, dtype=torch.uint8, device=group.device)
             _wait(_broadcast(group, digest, f"checksum {i}"), group, f"checksum {i}")
             if not torch.equal(digest.cpu(), _digest(buf)):
                 raise SyncError(f"weight sync checksum mismatch in bucket {i} "
                                 f"(first tensor {bucket.slots[0].name}, {bucket.nbytes} bytes)")
-            yield unpack_bucket(bucket, buf)
+            yield buf if raw else unpack_bucket(bucket, buf)
         return
 
     def post(i: int):
-        buf = torch.empty(plan.buckets[i].nbytes, dtype=torch.uint8, device=group.device)
+        buf = alloc(i)
         return _broadcast(group, buf, f"bucket {i}"), buf
 
     # One bucket ahead: bucket i+1 is posted before bucket i is handed to the loader, so on NCCL
@@ -143,7 +147,7 @@ def receive_buckets(group: WeightGroup, plan: SyncPlan, version: int | None = No
         work, buf = ahead
         ahead = post(i + 1) if i + 1 < len(plan.buckets) else None
         _wait(work, group, f"bucket {i}")
-        yield unpack_bucket(bucket, buf)
+        yield buf if raw else unpack_bucket(bucket, buf)
 
 
 def destroy(group: WeightGroup | None) -> None:

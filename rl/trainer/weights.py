@@ -15,6 +15,7 @@ quantises on receive instead (BF16 on the wire).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
@@ -48,6 +49,9 @@ class WeightSender:
         self.group: transport.WeightGroup | None = None
         self._keep = as_policy(sync.wire_keep_bf16)
         self._scales: dict[str, torch.Tensor] = {}  # quantised, waiting for their bucket
+        self._ring: list[torch.Tensor] | None = None   # GPU: two reusable bucket buffers
+        self._graphs: list | None = None
+        self._sends = 0
 
     def _fp8(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
         return (self.sync.wire_dtype == "fp8" and name in self.params and dtype.is_floating_point
@@ -82,16 +86,69 @@ class WeightSender:
             yield
 
     def _tensors(self, bucket: Bucket) -> dict[str, torch.Tensor]:
-        out = {}
+        return {s.name: (self.params.get(s.name) if s.name in self.params
+                         else self.buffers[s.name]).detach() for s in bucket.slots}
+
+    def _pack(self, bucket: Bucket, buf: torch.Tensor | None = None) -> torch.Tensor:
+        """Bucket bytes (into `buf` when given); FP8 weights are quantised straight into it."""
+        if self.sync.wire_dtype != "fp8" and buf is None:
+            return pack_bucket(bucket, self._tensors(bucket), self.group.device)
+        if buf is None:
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.group.device)
+        views = {s.name: (buf[s.offset:s.offset + s.nbytes], s) for s in bucket.slots}
+        done = set()
         for s in bucket.slots:
+            if s.name in done:
+                continue
+            dst = views[s.name][0]
             t = self.params.get(s.name)
             if t is not None and s.dtype == "uint8" and t.dtype != torch.uint8:
-                out[s.name], self._scales[scale_name(s.name)] = quantize_weight_fast(t.detach())
+                sname = scale_name(s.name)
+                if sname in views:
+                    sdst, sslot = views[sname]
+                    sdst = sdst.view(torch.float32).view(sslot.shape)
+                    done.add(sname)
+                else:  # the scale travels in the next bucket (plans made elsewhere)
+                    sdst = None
+                _, scale = quantize_weight_fast(t.detach(), out=dst.view(s.shape), scale_out=sdst)
+                if sdst is None:
+                    self._scales[sname] = scale
             elif s.name in self._scales:
-                out[s.name] = self._scales.pop(s.name)
+                dst.copy_(self._scales.pop(s.name).reshape(-1).view(torch.uint8))
             else:
-                out[s.name] = (t if t is not None else self.buffers[s.name]).detach()
-        return out
+                src = t if t is not None else self.buffers[s.name]
+                dst.copy_(src.detach().contiguous().reshape(-1).view(torch.uint8))
+        return buf
+
+    def _graph_packs(self, plan: SyncPlan) -> list | None:
+        """One CUDA graph per bucket that packs it into its ring buffer, or None.
+
+        Without ZeRO-3 the parameters never move, so bucket i's pack is the same kernels on the
+        same addresses every sync: one replay instead of a Python loop of launches per tensor
+        (which otherwise sets the pace for NCCL). Captured at the second send (the first
+        compiles the Triton kernels); the ring buffers hold 2 x the largest bucket.
+        """
+        if self.device.type != "cuda" or self.zero_stage == 3 or self._sends < 1:
+            return None
+        if self._graphs is None:
+            split = any(s.dtype == "uint8" and not any(
+                x.name == scale_name(s.name) for x in b.slots) for b in plan.buckets for s in b.slots)
+            if split:
+                self._graphs = []
+                return None
+            graphs = []
+            try:
+                for i, bucket in enumerate(plan.buckets):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                        self._pack(bucket, self._ring[i % 2][:bucket.nbytes])
+                    graphs.append(g)
+            except RuntimeError as e:  # a speed-up only: say so and pack eagerly
+                warnings.warn(f"weight sync: capturing the bucket packs in CUDA graphs failed "
+                              f"({e}); packing eagerly", RuntimeWarning, stacklevel=2)
+                graphs = []
+            self._graphs = graphs
+        return self._graphs or None
 
     def connect(self, host: str, port: int, world_size: int) -> None:
         if self.is_sender:
@@ -111,11 +168,36 @@ class WeightSender:
         if self.group is None:
             raise transport.SyncError("send_weights called before init_weight_sync")
 
-        def pack(i: int, bucket: Bucket) -> torch.Tensor:
-            with self._gathered(bucket):
-                return pack_bucket(bucket, self._tensors(bucket), self.group.device)
+        if self.device.type == "cuda" and self._ring is None:
+            biggest = max(b.nbytes for b in plan.buckets)
+            self._ring = [torch.empty(biggest, dtype=torch.uint8, device=self.device)
+                          for _ in range(2)]
+        graphs = self._graph_packs(plan)
 
-        return transport.send_buckets(self.group, plan, version, pack, verify=self.sync.verify)
+        gathered = [0]
+
+        def pack(i: int, bucket: Bucket) -> torch.Tensor:
+            if graphs is not None:
+                graphs[i].replay()
+                return self._ring[i % 2][:bucket.nbytes]
+            gathered[0] = i + 1
+            with self._gathered(bucket):
+                # The ring is safe to reuse: send_buckets waits for bucket i-2 before packing i.
+                return self._pack(bucket, None if self._ring is None
+                                  else self._ring[i % 2][:bucket.nbytes])
+
+        try:
+            stats = transport.send_buckets(self.group, plan, version, pack, verify=self.sync.verify)
+        except transport.SyncError:
+            # A receiver died mid-update. The other ranks are still walking through the buckets'
+            # ZeRO-3 gathers (collectives): finish them so no rank is left blocked, then report.
+            if graphs is None:
+                for bucket in plan.buckets[gathered[0]:]:
+                    with self._gathered(bucket):
+                        pass
+            raise
+        self._sends += 1
+        return stats
 
     def gather_all(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -123,7 +205,8 @@ class WeightSender:
             with self._gathered(bucket):
                 if self.is_sender:  # full precision, whatever the wire carries
                     for slot in bucket.slots:
-                        t = self.params.get(slot.name, self.buffers.get(slot.name))
+                        t = self.params.get(slot.name)
+                        t = t if t is not None else self.buffers.get(slot.name)
                         if t is not None:
                             out[slot.name] = t.detach().cpu().clone()
         return out

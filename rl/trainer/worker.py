@@ -265,7 +265,8 @@ class TrainerWorker:
             keys = sorted(keys)
             if not keys:
                 continue
-            t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+            # On the collective's device: NCCL (GPU trainers) cannot reduce CPU tensors.
+            t = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=self.device)
             dist.all_reduce(t, op=op)
             if op == dist.ReduceOp.SUM:
                 t /= self.world_size
@@ -285,7 +286,7 @@ class TrainerWorker:
                 continue
             mask = mb.resp_mask[:, 1:]
             local += float(mask.sum()) if self.algo.loss_agg == "token" else float((mask.sum(1) > 0).sum())
-        t = torch.tensor([local], dtype=torch.float64)
+        t = torch.tensor([local], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return max(float(t.item()), 1.0)
 

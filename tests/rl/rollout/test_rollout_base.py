@@ -65,11 +65,9 @@ def test_weight_versions_never_go_backwards():
         check_version(3, 2)
 
 
-def test_create_engine_rejects_unknown_and_unbuilt_kinds(tmp_path):
+def test_create_engine_rejects_unknown_kinds(tmp_path):
     with pytest.raises(ConfigError, match="rollout.engine: got 'sglang'"):
         create_engine("sglang", tmp_path, RolloutConfig())
-    with pytest.raises(ConfigError, match="native"):
-        create_engine("native", tmp_path, RolloutConfig())
 
 
 def test_vllm_fp8_on_cpu_is_a_config_error(tmp_path):

@@ -87,3 +87,17 @@ def test_version_mismatch_fails_loudly():
 def test_rendezvous_timeout_is_a_clear_error():
     with pytest.raises(SyncError, match="rendezvous .* failed for rank 1/2 within 1s"):
         make_group("127.0.0.1", free_port(), 2, 1, "gloo", timeout_s=1)
+
+
+def test_fp8_pairs_never_straddle_buckets():
+    specs = []
+    for i in range(6):
+        specs += [(f"w{i}", (40, 16), torch.uint8), (f"w{i}_scale_inv", (1, 1), torch.float32),
+                  (f"n{i}", (8,), torch.float32)]
+    plan = make_plan(specs, bucket_bytes=700)
+    for b in plan.buckets:
+        names = [s.name for s in b.slots]
+        for n in names:
+            if n.endswith("_scale_inv"):
+                assert n.removesuffix("_scale_inv") in names
+    assert len(plan.buckets) > 2 and plan.num_tensors == len(specs)

@@ -1,0 +1,175 @@
+"""Rollout throughput: native engine (FP8 and BF16 weights) vs HF `generate` (BF16) vs the decode
+roofline, on random Qwen3-0.6B-shaped and small Qwen3-MoE-shaped models, one GPU.
+
+Every configuration: `--batches` prompts of `--prompt-len` random tokens, exactly `new` sampled
+tokens each (temperature 1, no EOS), tokens/s = batch x new / wall time of the whole call
+(prefill, decode, sampling, results back on the host). HF runs only up to `--hf-max-new` new
+tokens (its 1024-token runs would take minutes of device time; they are reported as not run).
+
+Roofline (per configuration, for that engine's weight format): prefill at max(FLOPs / measured
+bf16 matmul peak, weight bytes / bandwidth), plus every decode step at (weight bytes read + KV
+cache bytes read for every row's context) / measured copy bandwidth (bytes read + written per
+second of a device-to-device copy). MoE: all experts count as read (at these batch sizes every
+expert receives tokens).
+
+Run: python -m bench.rollout
+"""
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from bench.common import (QWEN3_06B, QWEN3_MOE_SMALL, TINY, TINY_MOE, device_info, hf_config,
+                          measure_bf16_peak, measure_copy_bandwidth, parse_args, random_model,
+                          sync, write_results)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def roofline_seconds(shape, weight_bytes: int, batch: int, prompt: int, new: int, bw: float,
+                     peak: float) -> float:
+    """Lower bound on generate time (see the module docstring). bw in B/s, peak in FLOP/s."""
+    s = shape
+    embed = s.vocab * s.hidden * 2
+    w_step = weight_bytes - (0 if s.tied else embed)   # the embedding table is not read whole
+    kv_token = s.layers * 2 * s.nkv * s.head_dim * 2   # bf16 k + v per token, all layers
+    attn = s.hidden * (s.nh + 2 * s.nkv) * s.head_dim + s.nh * s.head_dim * s.hidden
+    mlp = [3 * s.hidden * (s.top_k * s.moe_inter if m else s.inter) for m in s.is_moe]
+    body = s.layers * attn + sum(mlp)                  # active matmul params per token
+    flops = 2 * body * batch * prompt + 2 * s.vocab * s.hidden * batch
+    flops += 4 * s.layers * s.nh * s.head_dim * batch * prompt * prompt / 2
+    t = max(flops / peak, w_step / bw)
+    for step in range(1, new):
+        t += (w_step + batch * (prompt + step) * kv_token) / bw
+    return t
+
+
+def run_native(engine, prompts, new: int) -> float:
+    from rl.rollout.base import SamplingParams
+    engine.generate(prompts, SamplingParams(max_new_tokens=3, seed=1))  # graphs, compiles
+    sync()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new, seed=2))
+    sync()
+    seconds = time.perf_counter() - t0
+    assert all(len(g[0].response_ids) == new for g in out), "a sequence stopped early"
+    return seconds
+
+
+def run_hf(model, prompts, new: int) -> float:
+    from transformers import GenerationConfig
+    ids = torch.tensor(prompts, device=model.device)
+    gen = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                           max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                   generation_config=GenerationConfig(do_sample=False, max_new_tokens=2,
+                                                      pad_token_id=0))
+    sync()
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+    sync()
+    assert out.shape[1] == ids.shape[1] + new
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    from rl.config import RolloutConfig
+    from rl.models.name_maps import full_state_for_engine
+    from rl.rollout.native_engine import NativeEngine
+    from rl.rollout.native_model import Shape
+
+    args = parse_args(__doc__.splitlines()[0], lambda p: (
+        p.add_argument("--batches", default="64,256"), p.add_argument("--new", default="128,1024"),
+        p.add_argument("--prompt-len", type=int, default=128),
+        p.add_argument("--models", default="dense,moe"),
+        p.add_argument("--hf-max-new", type=int, default=128)))
+    gpu = not args.smoke
+    device = "cuda" if gpu else "cpu"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    batches, news = (_ints(args.batches), _ints(args.new)) if gpu else ([2], [6])
+    prompt_len = args.prompt_len if gpu else 8
+    bw = measure_copy_bandwidth(device, 2.0 if gpu else 0.02) * 1e9
+    peak = measure_bf16_peak(device, 8192 if gpu else 256) * 1e12
+    shapes = {"dense": ("qwen3", QWEN3_06B if gpu else TINY, "Qwen3-0.6B"),
+              "moe": ("qwen3_moe", QWEN3_MOE_SMALL if gpu else TINY_MOE, "Qwen3-MoE-small")}
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    info = {**device_info(), "copy_GBps": bw / 1e9, "bf16_peak_TFLOPs": peak / 1e12}
+    notes = [f"prompts: {prompt_len} random tokens; sampling temperature 1, no EOS, exactly "
+             "new_tokens per sequence; tokens/s counts new tokens over the whole generate call",
+             f"measured: copy bandwidth {bw / 1e9:,.0f} GB/s (read + write), bf16 matmul peak "
+             f"{peak / 1e12:,.0f} TFLOP/s (8192^3)",
+             "roofline: prefill max(FLOPs/peak, bytes/bw) + per decode step (weights + every "
+             "row's KV context) / bw, for that engine's own weight bytes",
+             f"HF generate runs only up to {args.hf_max_new} new tokens (device-time budget)",
+             "targets (0.6B, batch 256): native FP8 >= 4x HF generate; >= 35% of roofline"]
+
+    def save(row: dict) -> None:  # after every row, so a time limit leaves partial results
+        rows.append(row)
+        print(row, flush=True)
+        for r in rows:  # speed-up over HF at the same model / batch / length
+            base = [h for h in rows if h["engine"].startswith("HF") and h["model"] == r["model"]
+                    and h["batch"] == r["batch"] and h["new_tokens"] == r["new_tokens"]]
+            if base and isinstance(base[0].get("tokens_per_s"), float) and "tokens_per_s" in r:
+                r["vs_HF"] = r["tokens_per_s"] / base[0]["tokens_per_s"]
+        write_results("rollout" + ("_smoke" if args.smoke else ""), args.out, info, rows,
+                      ["model", "engine", "batch", "new_tokens", "seconds", "tokens_per_s",
+                       "vs_HF", "roofline_tokens_per_s", "fraction_of_roofline", "weight_GB"],
+                      notes, quiet=True)
+
+    for key in args.models.split(","):
+        mtype, fields, label = shapes[key]
+        config = hf_config(mtype, fields)
+        shape = Shape.from_hf_config(config)
+        hf = random_model(mtype, fields, device, dtype)
+        state = full_state_for_engine(hf)
+        prompts = {b: torch.randint(2, shape.vocab, (b, prompt_len), generator=g).tolist()
+                   for b in batches}
+        for quant in ("fp8", "hf", "none"):
+            if quant == "hf":
+                hf_bytes = sum(t.numel() * t.element_size() for t in hf.parameters())
+                for b in batches:
+                    for new in news:
+                        row = {"model": label, "engine": "HF generate bf16", "batch": b,
+                               "new_tokens": new, "weight_GB": hf_bytes / 1e9}
+                        roof = roofline_seconds(shape, hf_bytes, b, prompt_len, new, bw, peak)
+                        row["roofline_tokens_per_s"] = b * new / roof
+                        if new <= args.hf_max_new:
+                            secs = run_hf(hf, prompts[b], new)
+                            row.update(seconds=secs, tokens_per_s=b * new / secs,
+                                       fraction_of_roofline=roof / secs)
+                        else:
+                            row["seconds"] = "not run"
+                        save(row)
+                continue
+            cfg = RolloutConfig(engine="native", quantization=quant, max_batch_size=max(batches),
+                                max_model_len=prompt_len + max(news))
+            engine = NativeEngine.from_config(config, cfg, device=device,
+                                              dtype="bfloat16" if gpu else "float32")
+            engine.load_weights(state, version=1)
+            wbytes = engine.model.weight_bytes()
+            for b in batches:
+                for new in news:
+                    secs = run_native(engine, prompts[b], new)
+                    roof = roofline_seconds(shape, wbytes, b, prompt_len, new, bw, peak)
+                    save({"model": label, "engine": "native " + ("fp8" if quant == "fp8" else "bf16"),
+                          "batch": b, "new_tokens": new, "seconds": secs,
+                          "tokens_per_s": b * new / secs, "roofline_tokens_per_s": b * new / roof,
+                          "fraction_of_roofline": roof / secs, "weight_GB": wbytes / 1e9})
+            engine.shutdown()
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache() if gpu else None
+        del hf, state
+        gc.collect()
+        torch.cuda.empty_cache() if gpu else None
+    write_results("rollout" + ("_smoke" if args.smoke else ""), args.out, info, rows,
+                  ["model", "engine", "batch", "new_tokens", "seconds", "tokens_per_s", "vs_HF",
+                   "roofline_tokens_per_s", "fraction_of_roofline", "weight_GB"], notes)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU session in one script (what produced bench/results/): GPU tests and the three
+# benchmarks on a 2 x H200 machine without DeepSpeed installed (it travels as wheels in .whl/).
+#   bash bench/run_gpu.sh [sections...]      sections: tests_native rollout sync tests_sync train
+#   (tests_sync_only: the sync test without the RL step)
+# Writes into $OUT (default bench/results): run.log, gpu_report.jsonl, <bench>.json / .md.
+# Each section has its own time limit, so one hang cannot eat the others.
+set -u
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+LOG="$OUT/run.log"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export GPU_REPORT="$OUT/gpu_report.jsonl"
+if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import deepspeed" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl >>"$LOG" 2>&1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+sections=${*:-tests_native rollout sync tests_sync train}
+
+run() {  # run NAME LIMIT_S CMD...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s) $(date +%T)" | tee -a "$LOG"
+    local t0=$SECONDS
+    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
+    echo "=== $name rc=$? in $((SECONDS - t0))s" | tee -a "$LOG"
+}
+
+{ nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton',
+triton.__version__, 'gpus', torch.cuda.device_count())"; } >>"$LOG" 2>&1
+for s in $sections; do
+    case $s in
+        tests_native) run tests_native 110 python3 -m pytest -q -p no:cacheprovider \
+            tests/gpu/test_native_gpu.py tests/rl/quant/test_fp8_gpu.py ;;
+        rollout) run rollout 230 python3 -m bench.rollout --out "$OUT" ;;
+        sync) run weight_sync 90 python3 -m bench.weight_sync --out "$OUT" ;;
+        tests_sync) run tests_sync 150 python3 -m pytest -q -p no:cacheprovider \
+            tests/gpu/test_sync_gpu.py tests/gpu/test_rl_step_gpu.py ;;
+        tests_sync_only) run tests_sync_only 150 python3 -m pytest -q -p no:cacheprovider \
+            tests/gpu/test_sync_gpu.py ;;
+        train) run train 75 python3 -m bench.train --out "$OUT" ;;
+        *) echo "unknown section $s" | tee -a "$LOG" ;;
+    esac
+done
+grep -E "^(=== |FAILED|ERROR|[0-9]+ (passed|failed))" "$LOG" | tail -40

@@ -1,0 +1,31 @@
+"""Sampling for the `native` engine: temperature, top-k, top-p from fp32 logits, returning the
+raw temperature-1 log-probs of the drawn tokens (the convention in `rl.rollout.base`)."""
+from __future__ import annotations
+
+import torch
+
+from rl.rollout.base import SamplingParams
+
+
+def sample_tokens(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits (B, V) -> (tokens (B,), raw temperature-1 log-probs (B,))."""
+    lse = torch.logsumexp(logits, dim=-1)
+    if sp.greedy:
+        tok = logits.argmax(-1)
+    else:
+        x = logits / sp.temperature if sp.temperature != 1.0 else logits
+        if 0 < sp.top_k < x.shape[-1]:
+            kth = x.topk(sp.top_k, dim=-1).values[:, -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if sp.top_p < 1.0:
+            sorted_x, idx = x.sort(dim=-1, descending=True)
+            p = sorted_x.softmax(-1)
+            # Drop a token once the mass before it already reaches top_p (the top one stays).
+            drop = (p.cumsum(-1) - p) >= sp.top_p
+            x = torch.empty_like(x).scatter_(-1, idx, sorted_x.masked_fill(drop, float("-inf")))
+        probs = x.softmax(-1)
+        # Exponential race (Gumbel-max): argmax p / E with E ~ Exp(1) samples from p.
+        race = torch.empty_like(probs).exponential_(generator=gen).clamp_(min=1e-20)
+        tok = (probs / race).argmax(-1)
+    return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - lse
