@@ -233,7 +233,9 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "prompts_per_step")
-        _non_negative(self, "clip_low", "clip_high", "kl_coef", "entropy_coef", "max_staleness")
+        _non_negative(self, "clip_low", "clip_high", "kl_coef", "entropy_coef")
+        _check(self.max_staleness == 0, "max_staleness", self.max_staleness,
+               "0 (the on-policy loop; bounded-staleness asynchronous RL is not implemented yet)")
         if self.tis_cap is not None:
             _check(self.tis_cap >= 1, "tis_cap", self.tis_cap, "null (off) or a value >= 1")
 
