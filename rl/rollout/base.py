@@ -166,6 +166,22 @@ def check_token_lists(name: str, lists: list[list[int]], vocab_size: int,
                 raise ValueError(f"{name}[{i}] holds token id {t}, outside [0, {vocab_size})")
 
 
+def check_score_args(prompt_ids: list[list[int]], response_ids: list[list[int]],
+                     vocab_size: int) -> None:
+    """The shared argument checks of every engine's `score`."""
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"score: {len(prompt_ids)} prompts but {len(response_ids)} responses")
+    check_token_lists("prompt_ids", prompt_ids, vocab_size)
+    check_token_lists("response_ids", response_ids, vocab_size, allow_empty=True)
+
+
+def decode_response(tokenizer, tokens: list[int], reason: str) -> str:
+    """Text without special tokens and without the stop token (as vLLM returns it)."""
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(tokens[:-1] if reason == "stop" else tokens, skip_special_tokens=True)
+
+
 def check_version(current: int, new: int) -> None:
     """Weight versions never go backwards (re-sending the current version is allowed)."""
     if new < current:

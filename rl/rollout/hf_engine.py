@@ -23,7 +23,8 @@ import torch
 
 from rl.config import RolloutConfig
 from rl.rollout.base import (
-    Sample, SamplingParams, check_token_lists, check_version, cut_at_stop, has_tokenizer,
+    Sample, SamplingParams, check_score_args, check_token_lists, check_version, cut_at_stop,
+    decode_response, has_tokenizer,
     read_eos_ids, resolve_device, resolve_dtype,
 )
 from rl.rollout.hf_weights import HFWeightTargets
@@ -109,21 +110,14 @@ class HFEngine:
         return groups
 
     def _decode(self, tokens: list[int], reason: str) -> str:
-        """Text without special tokens and without the stop token (as vLLM returns it)."""
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(tokens[:-1] if reason == "stop" else tokens,
-                                     skip_special_tokens=True)
+        return decode_response(self.tokenizer, tokens, reason)
 
     # ---- scoring -----------------------------------------------------------------------
     @torch.no_grad()
     def score(self, prompt_ids: list[list[int]], response_ids: list[list[int]]
               ) -> list[list[float]]:
         """Raw temperature-1 log-probs of each response token; right-padded micro-batches."""
-        if len(prompt_ids) != len(response_ids):
-            raise ValueError(f"score: {len(prompt_ids)} prompts but {len(response_ids)} responses")
-        check_token_lists("prompt_ids", prompt_ids, self.vocab_size)
-        check_token_lists("response_ids", response_ids, self.vocab_size, allow_empty=True)
+        check_score_args(prompt_ids, response_ids, self.vocab_size)
         out: list[list[float]] = [[] for _ in prompt_ids]
         for batch in self._micro_batches([len(p) + len(r) if r else 0
                                           for p, r in zip(prompt_ids, response_ids)]):

@@ -27,7 +27,8 @@ import torch
 
 from rl.config import RolloutConfig
 from rl.rollout.base import (
-    Sample, SamplingParams, check_token_lists, check_version, cut_at_stop, has_tokenizer,
+    Sample, SamplingParams, check_score_args, check_token_lists, check_version, cut_at_stop,
+    decode_response, has_tokenizer,
     read_eos_ids, resolve_device, resolve_dtype,
 )
 from rl.rollout.native_kernels import triton_available
@@ -210,20 +211,14 @@ class NativeEngine:
         return list(zip(toks[:n, :steps].tolist(), lps[:n, :steps].tolist()))
 
     def _decode(self, tokens: list[int], reason: str) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(tokens[:-1] if reason == "stop" else tokens,
-                                     skip_special_tokens=True)
+        return decode_response(self.tokenizer, tokens, reason)
 
     # ---- scoring -----------------------------------------------------------------------
     @torch.no_grad()
     def score(self, prompt_ids: list[list[int]], response_ids: list[list[int]]
               ) -> list[list[float]]:
         """Raw temperature-1 log-probs of each response token (one prefill pass per batch)."""
-        if len(prompt_ids) != len(response_ids):
-            raise ValueError(f"score: {len(prompt_ids)} prompts but {len(response_ids)} responses")
-        check_token_lists("prompt_ids", prompt_ids, self.vocab_size)
-        check_token_lists("response_ids", response_ids, self.vocab_size, allow_empty=True)
+        check_score_args(prompt_ids, response_ids, self.vocab_size)
         out: list[list[float]] = [[] for _ in prompt_ids]
         todo = sorted((i for i, r in enumerate(response_ids) if r),
                       key=lambda i: len(prompt_ids[i]) + len(response_ids[i]))

@@ -26,7 +26,8 @@ import torch
 
 from rl.config import ConfigError, RolloutConfig
 from rl.rollout.base import (
-    Sample, SamplingParams, check_token_lists, check_version, has_tokenizer, prompt_seeds,
+    Sample, SamplingParams, check_score_args, check_token_lists, check_version, has_tokenizer,
+    prompt_seeds,
     read_eos_ids, resolve_device, resolve_dtype,
 )
 
@@ -139,10 +140,7 @@ class VLLMEngine:
         """Raw temperature-1 log-probs of the response tokens, from `prompt_logprobs`."""
         from vllm import SamplingParams as VSP
 
-        if len(prompt_ids) != len(response_ids):
-            raise ValueError(f"score: {len(prompt_ids)} prompts but {len(response_ids)} responses")
-        check_token_lists("prompt_ids", prompt_ids, self.vocab_size)
-        check_token_lists("response_ids", response_ids, self.vocab_size, allow_empty=True)
+        check_score_args(prompt_ids, response_ids, self.vocab_size)
         todo = [i for i, r in enumerate(response_ids) if r]
         limit = self.cfg.max_model_len - 1  # one generated token must still fit
         for i in todo:
