@@ -24,7 +24,7 @@ setup: $(STAMP)
 $(STAMP): requirements/cpu.lock setup.cfg
 	@echo "== make setup: creating $(VENV) (first time: ~3-4 min)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -m pip install -q --upgrade "pip>=24"
+	@$(PY) -m pip install -q --upgrade "pip>=24" wheel "setuptools>=68"
 	@$(PY) -m pip install -q --no-deps -r requirements/cpu.lock
 	@$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@mkdir -p .cache && $(PY) -m pip install -q --no-deps --no-build-isolation -e . > .cache/pip-editable.log 2>&1 || (cat .cache/pip-editable.log; exit 1)
