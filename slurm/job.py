@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import signal
 import subprocess
 import typing as tp
 
@@ -120,7 +121,9 @@ def _check_requeue_limit(cfg: Config, stop: StopRequest, job_id: str, restarts: 
 
 def _requeue(job_id: str, restarts: int, limit: int, why: str) -> tp.NoReturn:
     """`scontrol requeue` this job, then exit without a result (Slurm restarts the same job id)."""
-    proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    # The requeue terminates every process of the job, scontrol included: let it finish.
+    proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
     if proc.returncode != 0:
         # e.g. a preemption that requeues the job itself is already under way
         print(f"scontrol requeue {job_id} failed ({proc.returncode}): {proc.stderr.strip()}; "

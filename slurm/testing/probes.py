@@ -58,7 +58,8 @@ def requeue_probe(marker_dir: str) -> dict:
     marker = Path(marker_dir) / "first_run"
     if restarts == 0:
         marker.write_text(f"{os.environ['SLURM_JOB_ID']} {socket.gethostname()}")
-        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)
+        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True,
+                       preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
         time.sleep(300)  # Slurm kills us (TERM, then KILL after KillWait)
         raise RuntimeError("scontrol requeue did not stop the job")
     return {"restart_count": restarts, "first_run": marker.read_text(),
@@ -86,6 +87,11 @@ class PreemptProbe(Checkpointable):
                 "events": events.read_text().split("\n")[:-1]}
 
     def checkpoint(self, marker_dir: str) -> DelayedSubmission:
+        # submitit runs `scontrol requeue` right after this; the requeue terminates every process
+        # of the job, that scontrol included, which can then die before it returns (a race seen
+        # in CI). An ignored SIGTERM is inherited across exec: scontrol finishes, and this process
+        # is killed after KillWait anyway.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
         with (Path(marker_dir) / "events").open("a") as f:
             f.write(f"checkpoint {restarts}\n")
