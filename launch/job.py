@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from rl.config import Config
-from rl.signals import EXIT_ABORTED, EXIT_REQUEUE, StopRequest
+from rl.signals import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,6 @@ def run_job(cfg: Config, resume: bool = True, force: bool = False,
     if result.status == "stopped":
         raise Requeue(f"stopped on {stop.signal_name} at step {result.step}; checkpoint written")
     return out
-
-
-def main_exit_code(result_status: str) -> int:
-    return {"done": 0, "stopped": EXIT_REQUEUE, "aborted": EXIT_ABORTED}.get(result_status, 1)
 
 
 if __name__ == "__main__":  # pragma: no cover - run through launch.submit

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
-import json
 import re
 import types
 import typing
@@ -593,11 +591,6 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         _build(Config, _merge(to_dict(cfg), override), "<command line>")
         data = _merge(data, override)
     return _build(Config, data, where) if overrides else cfg
-
-
-def config_hash(cfg: Config, keys: tuple[str, ...] | None = None) -> str:
-    blob = json.dumps(to_dict(cfg), sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

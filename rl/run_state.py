@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from rl.checkpoint import CheckpointManager
-from rl.config import Config, ConfigError, config_hash, save_config, to_dict
+from rl.config import Config, ConfigError, save_config, to_dict
 from rl.data.datasets import build_datasets, format_prompt
 from rl.data.sampler import PromptSampler
 from rl.evaluate import evaluate
@@ -148,7 +148,7 @@ class RunContext:
                 self.trajectories.truncate(self.state.step)
         self._truncate_metrics_jsonl(self.state.step)
         # Engines start from the model directory: bring them to the trainer's exact weights.
-        self.sync(self.state.weight_version, bump=False)
+        self.sync(self.state.weight_version)
 
     def _truncate_metrics_jsonl(self, step: int) -> None:
         path = self.run_dir / "metrics.jsonl"
@@ -168,7 +168,7 @@ class RunContext:
                 log.warning("rollout failed (%s); restarting engines and retrying", e)
                 self.runtime.restart_dead_engines(self.state.weight_version)
 
-    def sync(self, version: int, bump: bool = True) -> dict:
+    def sync(self, version: int) -> dict:
         for attempt in range(3):
             try:
                 stats = self.runtime.sync(version)

@@ -252,10 +252,6 @@ class Runtime:
         self.restarts += len(dead)
         return len(dead)
 
-    def kill_engine(self, i: int) -> None:
-        """For fault-injection tests: kill engine i's process."""
-        self.engines[i].kill()
-
     def shutdown(self) -> None:
         for a in self.engines + self.trainers:
             try:
@@ -271,5 +267,3 @@ class Runtime:
             for pg in self._pgs:
                 remove_placement_group(pg)
 
-
-ActorDied = ActorDied  # re-exported for the loop

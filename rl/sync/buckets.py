@@ -11,9 +11,8 @@ plan from the same model agree without talking.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 
@@ -117,12 +116,3 @@ def unpack_bucket(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Te
         raw = buf[slot.offset: slot.offset + slot.nbytes]
         out.append((slot.name, raw.view(dtype_of(slot.dtype)).view(slot.shape)))
     return out
-
-
-def checksum(buf: torch.Tensor) -> str:
-    """sha1 of the bucket bytes (on CPU); used when `sync.verify` is on."""
-    return hashlib.sha1(buf.detach().cpu().numpy().tobytes()).hexdigest()
-
-
-def iter_buckets(plan: SyncPlan) -> Iterator[tuple[int, Bucket]]:
-    return enumerate(plan.buckets)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from launch.status import read_jsonl
+
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "slurm_cpu_test.yaml"
@@ -42,17 +44,6 @@ def _submit_cmd(out: Path, name: str, *extra: str) -> list[str]:
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
 
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return out
 
 
 def job_output(run_dir: Path) -> str:
