@@ -72,7 +72,7 @@ def slurm_main(cfg: Config, resume: bool = True, force: bool = False) -> dict:
         lifecycle(cfg, "requeued", reason=stop.signal_name, restart_count=restarts, job_id=job_id)
         stop_ray(cluster)  # before `scontrol requeue`, whose SIGTERM would kill Ray half-way
         cluster = None
-        _requeue(job_id, restarts, cfg.cluster.max_requeues, str(e))
+        requeue_self(job_id, restarts, cfg.cluster.max_requeues, str(e))
     except Exception as e:  # noqa: BLE001 - only when a signal caused it, see below
         if not stop.requested:
             raise
@@ -119,7 +119,7 @@ def _check_requeue_limit(cfg: Config, stop: StopRequest, job_id: str, restarts: 
             f"(cluster.max_requeues={limit}). Submit the same config again to resume.")
 
 
-def _requeue(job_id: str, restarts: int, limit: int, why: str) -> tp.NoReturn:
+def requeue_self(job_id: str, restarts: int, limit: int, why: str) -> tp.NoReturn:
     """`scontrol requeue` this job, then exit without a result (Slurm restarts the same job id)."""
     # The requeue terminates every process of the job, scontrol included: let it finish.
     proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,

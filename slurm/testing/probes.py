@@ -9,7 +9,6 @@ import subprocess
 import time
 from pathlib import Path
 
-from submitit.helpers import Checkpointable, DelayedSubmission
 
 
 def ray_probe(run_dir: str) -> dict:
@@ -66,34 +65,28 @@ def requeue_probe(marker_dir: str) -> dict:
             "host": socket.gethostname(), "job_id": os.environ["SLURM_JOB_ID"]}
 
 
-class PreemptProbe(Checkpointable):
-    """Waits to be preempted; submitit calls `checkpoint` on the signal; the restart reports.
+def preempt_probe(marker_dir: str) -> dict:
+    """Waits to be preempted, then takes the production path of `slurm.job`: a stop signal
+    (Slurm's USR2 via preempt_send_user_signal) -> "checkpoint" -> `requeue_self`. The restart
+    reports. Events are appended to `marker_dir/events` (shared file system) for the test.
 
-    Events are appended to `marker_dir/events` (shared file system) so the test can follow.
+    (Not submitit's `Checkpointable`: its handler runs `scontrol requeue` with check_call, which
+    fails when Slurm's own preemption requeue is already under way - a race seen in CI.)
     """
-
-    def __init__(self) -> None:
-        self.checkpointed_at_restart: int | None = None
-
-    def __call__(self, marker_dir: str) -> dict:
-        events = Path(marker_dir) / "events"
-        restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    from rl.signals import StopRequest
+    from slurm.job import requeue_self
+    stop = StopRequest().install()
+    events = Path(marker_dir) / "events"
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    with events.open("a") as f:
+        f.write(f"start {restarts}\n")
+    if restarts == 0:
+        deadline = time.monotonic() + 300
+        while not stop.requested:
+            if time.monotonic() > deadline:
+                raise RuntimeError("no preemption signal arrived")
+            time.sleep(0.2)
         with events.open("a") as f:
-            f.write(f"start {restarts}\n")
-        if self.checkpointed_at_restart is None:
-            time.sleep(300)  # until the preemption signal; submitit then requeues the job
-            raise RuntimeError("no preemption signal arrived")
-        return {"restart_count": restarts, "checkpointed_at_restart": self.checkpointed_at_restart,
-                "events": events.read_text().split("\n")[:-1]}
-
-    def checkpoint(self, marker_dir: str) -> DelayedSubmission:
-        # submitit runs `scontrol requeue` right after this; the requeue terminates every process
-        # of the job, that scontrol included, which can then die before it returns (a race seen
-        # in CI). An ignored SIGTERM is inherited across exec: scontrol finishes, and this process
-        # is killed after KillWait anyway.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-        with (Path(marker_dir) / "events").open("a") as f:
-            f.write(f"checkpoint {restarts}\n")
-        self.checkpointed_at_restart = restarts
-        return DelayedSubmission(self, marker_dir)
+            f.write(f"checkpoint {restarts} {stop.signal_name}\n")
+        requeue_self(os.environ["SLURM_JOB_ID"], restarts, 3, "preempted")
+    return {"restart_count": restarts, "events": events.read_text().split("\n")[:-1]}
