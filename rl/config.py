@@ -228,12 +228,28 @@ class AlgorithmConfig:
     tis_cap: float | None = 2.0
     """Truncated importance sampling cap on exp(logp_trainer_old - logp_rollout); null = off."""
     max_staleness: int = 0
+    """0 = on-policy (rollout, then train). k >= 1: the rollout group generates the batches of the
+    next k steps while the trainer trains on the current one (one-step-off-policy at 1); a sample
+    is at most k weight versions older than the policy that trains on it."""
+    partial_rollouts: Literal["finish", "resume"] = "finish"
+    """With max_staleness >= 1, what happens to generations still running when the weights are
+    updated: `finish` them with the old weights (the update waits), or interrupt them after
+    `partial_tokens` tokens and `resume` them with the new weights (per-token-span versions are
+    logged). The interrupt point is a token budget, not a wall-clock moment, so runs stay
+    deterministic and resume exactly."""
+    partial_tokens: int | None = None
+    """Tokens generated with the old weights before a `resume` interrupt; null = half of
+    rollout.max_new_tokens."""
+    stale_samples: Literal["drop", "keep"] = "drop"
+    """Samples older than max_staleness (e.g. after lowering it on resume): `drop` them from the
+    batch (counted in rollout/dropped_samples) or `keep` them (TIS against the stored behaviour
+    log-probs re-weights them)."""
 
     def __post_init__(self) -> None:
         _positive(self, "prompts_per_step")
-        _non_negative(self, "clip_low", "clip_high", "kl_coef", "entropy_coef")
-        _check(self.max_staleness == 0, "max_staleness", self.max_staleness,
-               "0 (the on-policy loop; bounded-staleness asynchronous RL is not implemented yet)")
+        _non_negative(self, "clip_low", "clip_high", "kl_coef", "entropy_coef", "max_staleness")
+        if self.partial_tokens is not None:
+            _positive(self, "partial_tokens")
         if self.tis_cap is not None:
             _check(self.tis_cap >= 1, "tis_cap", self.tis_cap, "null (off) or a value >= 1")
 
@@ -422,6 +438,9 @@ class Config:
         _non_negative(self, "num_steps")
         _check(bool(self.name) and "/" not in self.name, "name", self.name,
                "a non-empty name without '/'")
+        pt = self.algorithm.partial_tokens
+        _check(pt is None or pt < self.rollout.max_new_tokens, "algorithm.partial_tokens", pt,
+               f"null or a value < rollout.max_new_tokens ({self.rollout.max_new_tokens})")
 
     @property
     def run_dir(self) -> Path:

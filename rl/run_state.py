@@ -46,6 +46,8 @@ class DriverState:
     restarts_before: int = 0
     """Engine restarts in earlier lives of this run (before the last resume)."""
     reward_failures_before: int = 0
+    dropped_samples: int = 0
+    """Samples dropped for being older than algorithm.max_staleness (cumulative)."""
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -105,6 +107,8 @@ class RunContext:
         self.logprob_diffs: list[float] = []
         self.metrics: MetricsLogger | None = None
         self.trajectories: TrajectoryWriter | None = None
+        self.pending: list[dict] = []
+        """Rollout batches generated ahead of their step, restored from the checkpoint."""
 
     def _tokenize(self, examples) -> list[list[int]]:
         out = []
@@ -132,6 +136,7 @@ class RunContext:
             driver = torch.load(path / "driver.pt", weights_only=False)
             self.state = DriverState(**driver["state"])
             self.sampler.load_state_dict(driver["sampler"])
+            self.pending = driver.get("pending", [])
             random.setstate(driver["python_rng"])
             torch.set_rng_state(driver["torch_rng"])
             self.rewards.failures = self.state.reward_failures_before
@@ -158,15 +163,21 @@ class RunContext:
             path.write_text("".join(line + "\n" for line in keep))
 
     # ---- verbs the loop uses -----------------------------------------------------------------
-    def generate(self, prompt_ids, sampling, seed, retries: int = 2):
+    def collect(self, gen, prompt_ids, sampling, seed, retries: int = 2):
+        """(samples per prompt, seconds) of a generation in flight (`Runtime.generate_async`).
+
+        A dead engine is restarted, brought to the trainer's weights, and the generation run
+        again (the samples then carry the version the driver last published).
+        """
         for attempt in range(retries + 1):
             try:
-                return self.runtime.generate(prompt_ids, sampling, seed)
+                return gen.result(), gen.seconds
             except ActorDied as e:
                 if attempt == retries:
                     raise
                 log.warning("rollout failed (%s); restarting engines and retrying", e)
                 self.runtime.restart_dead_engines(self.state.weight_version)
+                gen = self.runtime.generate_async(prompt_ids, sampling, seed)
 
     def sync(self, version: int) -> dict:
         for attempt in range(3):
@@ -232,7 +243,8 @@ class RunContext:
         self.metrics.log(step, metrics)
         self.metrics.flush()
 
-    def record(self, step, metrics, indices, groups, parts, adv, old_logprobs=None) -> None:
+    def record(self, step, metrics, indices, groups, parts, adv, old_logprobs=None,
+               lags=None) -> None:
         self.log(step, metrics)
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -244,10 +256,12 @@ class RunContext:
                 prompt_ids=[s.prompt_ids for s in samples],
                 response_ids=[s.response_ids for s in samples],
                 rollout_logprobs=[s.logprobs for s in samples], reward=parts.total, advantage=adv,
-                finish_reason=[s.finish_reason for s in samples], old_logprobs=old_logprobs)
+                finish_reason=[s.finish_reason for s in samples], old_logprobs=old_logprobs,
+                version_spans=[s.spans() for s in samples], staleness=lags)
         print(format_step(self.cfg, step, metrics), flush=True)
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, pending: list[dict] = ()) -> Path:
+        """`pending`: the rollout pipeline's batches generated ahead (`RolloutPipeline.state_dict`)."""
         state = self.state
         state.restarts_before += self.runtime.restarts
         self.runtime.restarts = 0
@@ -256,6 +270,7 @@ class RunContext:
         def payload(tmp: Path) -> None:
             self.runtime.save(str(tmp / "trainer"), "ds", {"step": state.step})
             torch.save({"state": asdict(state), "sampler": self.sampler.state_dict(),
+                        "pending": list(pending),
                         "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()},
                        tmp / "driver.pt")
 

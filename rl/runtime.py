@@ -32,18 +32,33 @@ class EngineHost:
         shield_worker()
         self.index, self.verify = index, verify
         self.engine = create_engine(kind, model_dir, cfg, dtype=dtype, device=device)
+        self.busy_s = 0.0
+        """Seconds spent generating, scoring and receiving weights (idle-ratio metrics)."""
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[list[Sample]]:
-        return self.engine.generate(prompt_ids, sampling)
+    def _timed(self, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> dict:
+        """{"groups": samples per prompt, "seconds": generation wall time in this engine}."""
+        t0 = time.perf_counter()
+        groups = self._timed(self.engine.generate, prompt_ids, sampling)
+        return {"groups": groups, "seconds": time.perf_counter() - t0}
 
     def score(self, prompt_ids, response_ids):
-        return self.engine.score(prompt_ids, response_ids)
+        return self._timed(self.engine.score, prompt_ids, response_ids)
 
     def init_weight_sync(self, host, port, world_size, rank, backend, timeout_s):
         return self.engine.init_weight_sync(host, port, world_size, rank, backend, timeout_s)
 
     def receive_weights(self, plan, version: int) -> dict:
-        return self.engine.receive_weights(plan, version, verify=self.verify)
+        return self._timed(self.engine.receive_weights, plan, version, verify=self.verify)
+
+    def busy_seconds(self) -> float:
+        return self.busy_s
 
     def num_sync_ranks(self) -> int:
         return getattr(self.engine, "num_sync_ranks", 1)
@@ -56,6 +71,24 @@ class EngineHost:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+class Generation:
+    """A generation in flight on the rollout engines; `result()` waits for it."""
+
+    def __init__(self, futures: list, n_prompts: int, num_engines: int):
+        self._futures, self._n, self._m = futures, n_prompts, num_engines
+        self.seconds = 0.0
+        """Generation wall time (the slowest engine's), set by `result()`."""
+
+    def result(self) -> list[list[Sample]]:
+        per_engine = {i: f.result() for i, f in self._futures}
+        self.seconds = max((r["seconds"] for r in per_engine.values()), default=0.0)
+        out: list[list[Sample]] = [None] * self._n  # type: ignore[list-item]
+        for i, r in per_engine.items():
+            for j, samples in enumerate(r["groups"]):
+                out[i + j * self._m] = samples
+        return out
 
 
 @dataclass(slots=True)
@@ -171,7 +204,15 @@ class Runtime:
     # ---- the driver's verbs ----------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
                  ) -> list[list[Sample]]:
-        """Split prompts evenly over engines (in order); engine i samples with seed + i."""
+        return self.generate_async(prompt_ids, sampling, seed).result()
+
+    def generate_async(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
+                       ) -> Generation:
+        """Starts generating and returns at once (the engines work while the driver trains).
+
+        Prompts are split evenly over engines (in order); engine i samples with seed + i. An
+        engine serves its calls in order, so a weight update sent later waits for this call.
+        """
         m = len(self.engines)
         chunks = [prompt_ids[i::m] for i in range(m)]
         futures = []
@@ -179,12 +220,12 @@ class Runtime:
             if chunk:
                 sp = dataclasses.replace(sampling, seed=seed + i)
                 futures.append((i, engine.call("generate", chunk, sp)))
-        per_engine = {i: f.result() for i, f in futures}
-        out: list[list[Sample]] = [None] * len(prompt_ids)  # type: ignore[list-item]
-        for i in per_engine:
-            for j, samples in enumerate(per_engine[i]):
-                out[i + j * m] = samples
-        return out
+        return Generation(futures, len(prompt_ids), m)
+
+    def engine_busy_seconds(self) -> float:
+        """Mean over engines of the seconds each spent working (generate, score, receive)."""
+        busy = wait_all([e.call("busy_seconds") for e in self.engines])
+        return sum(busy) / len(busy)
 
     def train(self, batch: dict, step: int) -> tuple[dict, list[list[float]]]:
         """Returns (statistics, the trainer's old log-probs of every sample in batch order)."""

@@ -34,6 +34,18 @@ METRIC_TAGS: dict[str, str] = {
     "rollout/response_length": "Mean response length [tokens].",
     "rollout/truncated_frac": "Fraction of responses cut at max_new_tokens (finish reason 'length').",
     "rollout/tokens_per_s": "Generated tokens per second of rollout wall time, all engines.",
+    "rollout/staleness_mean": "Mean staleness of the trained samples: weight versions between the "
+                              "oldest weights that sampled a sample and the policy trained on it "
+                              "(0 on-policy, <= algorithm.max_staleness).",
+    "rollout/staleness_max": "Max staleness of the step's trained samples.",
+    "rollout/dropped_samples": "Samples dropped for exceeding algorithm.max_staleness "
+                               "(cumulative count).",
+    "rollout/resumed_frac": "Fraction of samples interrupted by a weight update and resumed with "
+                            "the new weights (algorithm.partial_rollouts: resume).",
+    "rollout/idle_ratio": "Fraction of the step's wall time the rollout engines did not work "
+                          "(generate, score, receive weights); mean over engines.",
+    "trainer/idle_ratio": "Fraction of the step's wall time the trainer group did not work (train, "
+                          "send weights).",
     "train/loss": "Total policy loss (pg + kl_coef*kl - entropy_coef*entropy), mini-batch mean.",
     "train/pg_loss": "Clipped policy-gradient (surrogate) loss, TIS-weighted.",
     "train/kl": "KL(policy || reference) by algorithm.kl_estimator, aggregated like the loss.",
@@ -55,7 +67,8 @@ METRIC_TAGS: dict[str, str] = {
     "sync/logprob_max_diff": "With sync.check_logprobs: max abs(trainer - engine) log-prob of a fixed "
                              "probe sequence right after the update.",
     "time/step": "Wall time of the whole step [s].",
-    "time/rollout": "Wall time of generation [s].",
+    "time/rollout": "Wall time the driver waited for generation (rollouts overlapped with training "
+                    "by max_staleness >= 1 count only where they outlast it) [s].",
     "time/reward": "Wall time of reward computation [s].",
     "time/train": "Wall time of log-probs + optimizer steps [s].",
     "time/sync": "Wall time of the weight update, including pause/resume of the engines [s].",
@@ -71,6 +84,11 @@ METRIC_TAGS: dict[str, str] = {
     "slurm/requeue_signal": "Number of the signal that stopped the run's previous life, logged at "
                             "each start (10 USR1, 12 USR2 = time limit or preemption, 15 TERM; "
                             "0 = first start or no signal recorded).",
+}
+
+# Histograms (TensorBoard's HISTOGRAMS tab), tag -> description.
+HISTOGRAM_TAGS: dict[str, str] = {
+    "rollout/staleness": "Staleness of every trained sample of the step [weight versions].",
 }
 
 _TAG_RE = re.compile(r"^[a-z0-9_]+/[a-z0-9_]+$")
@@ -143,6 +161,16 @@ class MetricsLogger:
             if not math.isfinite(number):
                 log.warning("metric %s is %s at step %d", tag, number, step)
             self._writer.add_scalar(tag, number, global_step=step)
+
+    def histogram(self, step: int, tag: str, values) -> None:
+        """Write a histogram of `values` (a documented HISTOGRAM_TAGS tag) at `step`."""
+        if tag not in HISTOGRAM_TAGS:
+            raise ValueError(f"histogram tag {tag!r} is not documented in HISTOGRAM_TAGS "
+                             f"(expected one of: {', '.join(HISTOGRAM_TAGS)})")
+        if self._writer is None or len(values) == 0:
+            return
+        import numpy as np
+        self._writer.add_histogram(tag, np.asarray(values, dtype=np.float64), global_step=step)
 
     def _check_tag(self, tag: str) -> None:
         if tag in METRIC_TAGS:

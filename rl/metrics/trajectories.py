@@ -1,13 +1,18 @@
 """Every rollout sample of a run, in one HDF5 file (`RUN_DIR/trajectories.h5`).
 
-Schema (version 1). One row per sample (prompt x sample); every dataset below has shape (N,),
+Schema (version 2; version 1 lacked `staleness` and `version_spans`). One row per sample (prompt x sample); every dataset below has shape (N,),
 is resizable (maxshape (None,)) and chunked, and row i of each belongs to the same sample. Rows
 are appended in step order.
 
 | dataset            | dtype         | meaning                                                      |
 | ------------------ | ------------- | ------------------------------------------------------------ |
 | `step`             | int64         | RL step whose rollout batch produced the sample              |
-| `weight_version`   | int64         | version of the weights the rollout engine sampled with       |
+| `weight_version`   | int64         | version of the weights that sampled the newest tokens        |
+| `staleness`        | int32         | versions between the oldest sampling weights and the policy  |
+|                    |               | trained on the sample (0 on-policy; <= max_staleness)        |
+| `version_spans`    | vlen int64    | flattened (first response token, weight version) pairs, one  |
+|                    |               | per span sampled with one version (a resumed partial rollout |
+|                    |               | has two or more)                                             |
 | `prompt_index`     | int64         | index of the prompt in the training set                      |
 | `sample_index`     | int32         | position of the sample within its prompt's group (0..n-1)    |
 | `prompt_ids`       | vlen int32    | prompt token ids                                             |
@@ -21,7 +26,7 @@ are appended in step order.
 | `advantage`        | float32       | GRPO advantage used in the loss                              |
 | `finish_reason`    | uint8         | index into the file attribute `finish_reasons`               |
 
-File attributes: `schema_version` (int, 1), `finish_reasons` (JSON list: "stop", "length",
+File attributes: `schema_version` (int, 2), `finish_reasons` (JSON list: "stop", "length",
 "abort", "other"), `created_unix` (float, seconds).
 
 Crash safety: the writer opens the file for each append and closes it afterwards (which flushes),
@@ -43,7 +48,7 @@ from typing import Any, Sequence
 import h5py
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 TRAJECTORY_FILE = "trajectories.h5"
 FINISH_REASONS = ("stop", "length", "abort", "other")
 
@@ -51,10 +56,11 @@ _SCALAR_COLUMNS: dict[str, Any] = {
     "step": np.int64, "weight_version": np.int64, "prompt_index": np.int64,
     "sample_index": np.int32, "prompt_length": np.int32, "response_length": np.int32,
     "reward": np.float32, "advantage": np.float32, "finish_reason": np.uint8,
+    "staleness": np.int32,
 }
 _VLEN_COLUMNS: dict[str, Any] = {
     "prompt_ids": np.int32, "response_ids": np.int32,
-    "rollout_logprobs": np.float32, "old_logprobs": np.float32,
+    "rollout_logprobs": np.float32, "old_logprobs": np.float32, "version_spans": np.int64,
 }
 _SCALAR_CHUNK, _VLEN_CHUNK = 4096, 512
 
@@ -133,13 +139,16 @@ class TrajectoryWriter:
                rollout_logprobs: Sequence[Sequence[float]], reward: Sequence[float],
                advantage: Sequence[float], finish_reason: Sequence[str | int],
                old_logprobs: Sequence[Sequence[float]] | None = None,
-               sample_index: Sequence[int] | None = None) -> int:
+               sample_index: Sequence[int] | None = None,
+               version_spans: Sequence[Sequence[tuple[int, int]]] | None = None,
+               staleness: Sequence[int] | None = None) -> int:
         """Append one batch of n samples (every sequence argument has length n); returns the
         number of rows in the file afterwards.
 
         `weight_version` is one int for the batch or one per sample. `finish_reason` entries are
         names from FINISH_REASONS or their codes. `sample_index` defaults to the order of each
-        prompt_index's occurrences within this batch. Log-prob rows must have the length of their
+        prompt_index's occurrences within this batch. `version_spans` defaults to one span per
+        sample from its weight_version, `staleness` to 0. Log-prob rows must have the length of their
         response (`old_logprobs` rows may also be empty). Raises ValueError on a malformed batch
         or a step older than the file's last step (resume must `truncate` first).
         """
@@ -157,11 +166,17 @@ class TrajectoryWriter:
             sample_index = order
         if old_logprobs is None:
             old_logprobs = [[]] * n
+        if version_spans is None:
+            version_spans = [[(0, int(v))] for v in weight_version]
+        if staleness is None:
+            staleness = [0] * n
+        flat_spans = [[x for span in spans for x in span] for spans in version_spans]
         columns = {"weight_version": weight_version, "prompt_index": prompt_index,
                    "sample_index": sample_index, "prompt_ids": prompt_ids,
                    "response_ids": response_ids, "rollout_logprobs": rollout_logprobs,
                    "old_logprobs": old_logprobs, "reward": reward, "advantage": advantage,
-                   "finish_reason": finish_reason}
+                   "finish_reason": finish_reason, "version_spans": flat_spans,
+                   "staleness": staleness}
         for name, values in columns.items():
             if len(values) != n:
                 raise ValueError(f"trajectory batch: {name} has {len(values)} rows, "
@@ -178,7 +193,8 @@ class TrajectoryWriter:
         data["prompt_length"] = np.array([len(p) for p in data["prompt_ids"]], dtype=np.int32)
         data["response_length"] = response_len
         data["finish_reason"] = _finish_codes(finish_reason)
-        for name in ("weight_version", "prompt_index", "sample_index", "reward", "advantage"):
+        for name in ("weight_version", "prompt_index", "sample_index", "reward", "advantage",
+                     "staleness"):
             data[name] = np.asarray(columns[name], dtype=_SCALAR_COLUMNS[name]).reshape(n)
 
         with _open(self.path, "a") as f:
@@ -273,6 +289,7 @@ class TrajectoryReader:
         for name in _VLEN_COLUMNS:
             out[name] = np.asarray(self._file[name][i])
         out["finish_reason"] = self.finish_reasons[out["finish_reason"]]
+        out["version_spans"] = out["version_spans"].reshape(-1, 2)
         return out
 
     def step_summaries(self) -> list[StepSummary]:

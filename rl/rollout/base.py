@@ -73,7 +73,20 @@ class Sample:
     """One per response token: raw temperature-1 log-probs (module docstring)."""
     finish_reason: FinishReason
     weight_version: int
-    """The weight version that produced every token of this sample."""
+    """The weight version that produced the newest tokens of this sample (all of them unless
+    `version_spans` says otherwise)."""
+    version_spans: list[tuple[int, int]] = field(default_factory=list)
+    """(first response token, weight version) of each span sampled with one version, when the
+    generation was interrupted by a weight update and resumed (`algorithm.partial_rollouts:
+    resume`); empty = every token came from `weight_version`."""
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest weight version that sampled any token of this sample."""
+        return min(v for _, v in self.version_spans) if self.version_spans else self.weight_version
+
+    def spans(self) -> list[tuple[int, int]]:
+        return list(self.version_spans) or [(0, self.weight_version)]
 
 
 @runtime_checkable

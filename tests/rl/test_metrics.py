@@ -162,7 +162,7 @@ def test_write_append_read_vlen_and_schema(tmp_path):
     assert w.append(**batch(0)) == 4
     assert w.append(**batch(1)) == 8
     with h5py.File(path, "r") as f:
-        assert f.attrs["schema_version"] == SCHEMA_VERSION == 1
+        assert f.attrs["schema_version"] == SCHEMA_VERSION == 2
         assert tuple(json.loads(f.attrs["finish_reasons"])) == FINISH_REASONS
         assert f["response_ids"].dtype.metadata["vlen"] == np.int32
         assert f["rollout_logprobs"].dtype.metadata["vlen"] == np.float32

@@ -1,0 +1,192 @@
+"""Rollout batches between the rollout group and the trainer group: on-policy or bounded staleness.
+
+`algorithm.max_staleness = 0`: the step's batch is generated when the step starts, with the
+weights the trainer holds (`take` generates it now).
+
+`max_staleness = k >= 1`: right after a step takes its batch, the batches of steps step+1 ..
+step+k that are not generated yet are launched on the engines (`launch_ahead`), which generate
+them with the weights they hold while the trainer trains; the driver collects them (`collect`)
+before it pushes the new weights. A sample is trained at most k versions after the weights that
+sampled it. In steady state one batch is launched per step, at the start of the step.
+
+`partial_rollouts` decides what the weight update does to a generation that is still running:
+`finish` waits for it (all tokens from the old weights); `resume` launches background batches
+with a budget of `partial_tokens` new tokens, and `take` continues every sample cut by that
+budget with the new weights before the step trains on it. Each sample records the version of
+each of its token spans (`Sample.version_spans`). The interrupt is a token budget, not a moment
+in time: which tokens came from which weights is a function of the config, so a run and its
+resume compute the same thing.
+
+Batches generated ahead are part of the checkpoint (`state_dict`), with their versions: at a
+checkpoint nothing is in flight (the driver collects before it syncs), and a resumed run trains
+on exactly the samples the uninterrupted run would have.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from rl.rollout.base import Sample, SamplingParams, decode_response
+
+log = logging.getLogger(__name__)
+
+
+def rollout_seed(seed: int, step: int) -> int:
+    """The rollout sampling seed stream: a pure function of (seed, step), so resume replays it."""
+    return (seed * 1_000_003 + step * 1_009) % (2**31 - 1)
+
+
+def resume_seed(seed: int, step: int) -> int:
+    """Seed of the call that resumes a step's interrupted samples (its own stream)."""
+    return (rollout_seed(seed, step) + 7_919) % (2**31 - 1)
+
+
+@dataclass(slots=True)
+class RolloutBatch:
+    step: int
+    """The step that trains on this batch."""
+    indices: list[int]
+    """Training-set index of each prompt."""
+    groups: list[list[Sample]] = field(default_factory=list)
+    seconds: float = 0.0
+    """Generation wall time of all its segments [s]."""
+    ahead: bool = False
+    """Generated in the background during an earlier step (else when its step started)."""
+
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g]
+
+    def to_state(self) -> dict:
+        return {"step": self.step, "indices": list(self.indices), "seconds": self.seconds,
+                "ahead": self.ahead,
+                "groups": [[dataclasses.asdict(s) for s in g] for g in self.groups]}
+
+    @classmethod
+    def from_state(cls, d: dict) -> RolloutBatch:
+        groups = [[Sample(**{**s, "version_spans": [tuple(x) for x in s["version_spans"]]})
+                   for s in g] for g in d["groups"]]
+        return cls(step=d["step"], indices=list(d["indices"]), groups=groups,
+                   seconds=d["seconds"], ahead=d["ahead"])
+
+
+def staleness(samples: list[Sample], trainer_version: int) -> list[int]:
+    """How many weight versions each sample's oldest token lags the policy that trains on it."""
+    return [trainer_version - s.oldest_version for s in samples]
+
+
+def stale_groups(groups: list[list[Sample]], trainer_version: int, bound: int) -> list[bool]:
+    """Per prompt group: True when any of its samples is more than `bound` versions old.
+
+    Whole groups go: GRPO's advantages are relative within a group, so a group missing some of
+    its samples would carry a biased baseline.
+    """
+    return [any(lag > bound for lag in staleness(g, trainer_version)) for g in groups]
+
+
+class RolloutPipeline:
+    """Owns the batches generated ahead of their step; the loop asks it for each step's batch."""
+
+    def __init__(self, ctx, sampling: SamplingParams, state: list[dict] | None = None):
+        cfg = ctx.cfg
+        self.ctx, self.sampling = ctx, sampling
+        self.seed = cfg.rollout.seed
+        self.ahead = cfg.algorithm.max_staleness
+        self.mode = cfg.algorithm.partial_rollouts
+        self.max_new = sampling.max_new_tokens
+        self.budget = cfg.algorithm.partial_tokens or max(1, self.max_new // 2)
+        self.pending: list[RolloutBatch] = [RolloutBatch.from_state(d) for d in state or []]
+        self._in_flight: list[tuple[RolloutBatch, object]] = []
+
+    # ---- state -------------------------------------------------------------------------------
+    def state_dict(self) -> list[dict]:
+        if self._in_flight:
+            raise RuntimeError("rollout pipeline: cannot checkpoint while generations are in flight")
+        return [b.to_state() for b in self.pending]
+
+    @property
+    def interrupting(self) -> bool:
+        return self.ahead > 0 and self.mode == "resume" and self.budget < self.max_new
+
+    # ---- the loop's verbs --------------------------------------------------------------------
+    def take(self, step: int) -> RolloutBatch:
+        """The batch of `step`: generated ahead (interrupted samples resumed now), or generated
+        now with the current weights when none is pending."""
+        old = [b.step for b in self.pending if b.step < step]
+        if old:  # cannot happen in a run; guards hand-edited or foreign checkpoints
+            log.warning("rollout pipeline: dropping pending batches of past steps %s", old)
+            self.pending = [b for b in self.pending if b.step >= step]
+        if self.pending and self.pending[0].step == step:
+            batch = self.pending.pop(0)
+            self._resume_interrupted(batch)
+            return batch
+        return self.generate_now(step)
+
+    def generate_now(self, step: int) -> RolloutBatch:
+        """A fresh batch for `step` with the weights the engines hold now (blocks)."""
+        indices = self.ctx.sampler.next_indices(self.ctx.cfg.algorithm.prompts_per_step)
+        batch = RolloutBatch(step=step, indices=indices)
+        seed = rollout_seed(self.seed, step)
+        gen = self.ctx.runtime.generate_async(self._prompts(indices), self.sampling, seed)
+        batch.groups, batch.seconds = self.ctx.collect(gen, self._prompts(indices), self.sampling,
+                                                       seed)
+        return batch
+
+    def launch_ahead(self, step: int, last_step: int) -> None:
+        """Start generating the batches of steps step+1 .. step+max_staleness (<= last_step) that
+        are neither pending nor in flight; prompts are drawn now, in step order."""
+        have = {b.step for b in self.pending} | {b.step for b, _ in self._in_flight}
+        sampling = self.sampling
+        if self.interrupting:
+            sampling = dataclasses.replace(sampling, max_new_tokens=self.budget)
+        for t in range(step + 1, min(step + self.ahead, last_step) + 1):
+            if t in have:
+                continue
+            indices = self.ctx.sampler.next_indices(self.ctx.cfg.algorithm.prompts_per_step)
+            gen = self.ctx.runtime.generate_async(self._prompts(indices), sampling,
+                                                  rollout_seed(self.seed, t))
+            self._in_flight.append((RolloutBatch(step=t, indices=indices, ahead=True), gen))
+
+    def collect(self) -> None:
+        """Wait for the generations launched ahead (before the weights change under them)."""
+        sampling = self.sampling
+        if self.interrupting:
+            sampling = dataclasses.replace(sampling, max_new_tokens=self.budget)
+        for batch, gen in self._in_flight:
+            batch.groups, batch.seconds = self.ctx.collect(
+                gen, self._prompts(batch.indices), sampling, rollout_seed(self.seed, batch.step))
+            self.pending.append(batch)
+        self._in_flight.clear()
+        self.pending.sort(key=lambda b: b.step)
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _prompts(self, indices: list[int]) -> list[list[int]]:
+        return [self.ctx.train_prompt_ids[i] for i in indices]
+
+    def _resume_interrupted(self, batch: RolloutBatch) -> None:
+        """Continue, with the current weights, every sample the interrupt budget cut short."""
+        cut = [(gi, si) for gi, g in enumerate(batch.groups) for si, s in enumerate(g)
+               if s.finish_reason == "length" and len(s.response_ids) < self.max_new]
+        if not cut:
+            return
+        budgets = {self.max_new - len(batch.groups[gi][si].response_ids) for gi, si in cut}
+        if len(budgets) != 1:
+            raise RuntimeError(f"rollout pipeline: interrupted samples of step {batch.step} have "
+                               f"different lengths left {sorted(budgets)}; expected one budget")
+        prompts = [batch.groups[gi][si].prompt_ids + batch.groups[gi][si].response_ids
+                   for gi, si in cut]
+        sampling = dataclasses.replace(self.sampling, n=1, max_new_tokens=budgets.pop())
+        seed = resume_seed(self.seed, batch.step)
+        gen = self.ctx.runtime.generate_async(prompts, sampling, seed)
+        out, seconds = self.ctx.collect(gen, prompts, sampling, seed)
+        batch.seconds += seconds
+        tokenizer = self.ctx.tokenizer
+        for (gi, si), (new,) in zip(cut, out):
+            old = batch.groups[gi][si]
+            tokens = old.response_ids + new.response_ids
+            batch.groups[gi][si] = Sample(
+                prompt_ids=old.prompt_ids, response_ids=tokens,
+                text=decode_response(tokenizer, tokens, new.finish_reason),
+                logprobs=old.logprobs + new.logprobs, finish_reason=new.finish_reason,
+                weight_version=new.weight_version,
+                version_spans=old.spans() + [(len(old.response_ids), new.weight_version)])
