@@ -107,7 +107,12 @@ def choose_placement(cfg: Config) -> Placement:
     except ImportError:
         backend = "proc"
     cuda = torch.cuda.is_available() and cfg.trainer.device != "cpu"
-    return Placement(backend, "cuda" if cuda else "cpu", "cuda" if cuda else "cpu")
+    engine = "cuda" if cuda else "cpu"
+    if cuda and backend == "proc" and torch.cuda.device_count() > cfg.trainer.num_ranks:
+        # Plain processes see every GPU: the trainer ranks take the first ones (by LOCAL_RANK),
+        # the engine the next (Ray instead gives each actor its own GPUs).
+        engine = f"cuda:{cfg.trainer.num_ranks}"
+    return Placement(backend, "cuda" if cuda else "cpu", engine)
 
 
 class Runtime:
@@ -117,7 +122,7 @@ class Runtime:
         self.placement = placement or choose_placement(cfg)
         self.total_optimizer_steps = total_optimizer_steps
         gpus = 1 if self.placement.trainer_device == "cuda" else 0
-        egpus = cfg.rollout.tensor_parallel_size if self.placement.engine_device == "cuda" else 0
+        egpus = cfg.rollout.tensor_parallel_size if self.placement.engine_device != "cpu" else 0
         slurm = cfg.cluster.kind == "slurm"
         self.trainer_spec, self.rollout_spec = make_layout(
             cfg.trainer.num_ranks, cfg.rollout.num_engines, gpus, egpus,
@@ -192,7 +197,7 @@ class Runtime:
         world = 1 + sum(sizes)
         backend = self.cfg.sync.backend
         if backend == "auto":
-            backend = "nccl" if self.placement.engine_device == "cuda" else "gloo"
+            backend = "nccl" if self.placement.engine_device != "cpu" else "gloo"
         futures = [self.trainers[0].call("init_weight_sync", host, port, world)]
         first = 1
         for e, size in zip(self.engines, sizes):
