@@ -317,6 +317,10 @@ def format_step(cfg: Config, step: int, m: dict) -> str:
              f"len {m.get('rollout/response_length', 0):.1f}", f"loss {m.get('train/loss', 0):+.4f}",
              f"kl {m.get('train/approx_kl', 0):.4f}", f"gnorm {m.get('train/grad_norm', 0):.3f}",
              f"sync {m.get('sync/seconds', 0):.2f}s"]
+    if cfg.algorithm.max_staleness:
+        parts.append(f"stale {m.get('rollout/staleness_mean', 0):.2f} idle trainer "
+                     f"{m.get('trainer/idle_ratio', 0):.2f} rollout "
+                     f"{m.get('rollout/idle_ratio', 0):.2f}")
     if "eval/pass1" in m:
         parts.append(f"EVAL pass@1 {m['eval/pass1']:.3f}")
     parts.append(f"{m.get('time/step', 0):.1f}s")
