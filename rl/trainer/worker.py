@@ -219,7 +219,10 @@ class TrainerWorker:
         for epoch in range(self.cfg.ppo_epochs):
             order = list(range(len(mbs)))
             rng.shuffle(order)  # same permutation on every rank (same seed)
-            groups = np.array_split(np.array(order, dtype=np.int64), self.cfg.num_mini_batches)
+            # Fewer micro-batches than mini-batches leaves some splits empty: an optimizer step
+            # without a backward breaks ZeRO-3, so they are skipped (the same on every rank).
+            groups = [g for g in np.array_split(np.array(order, dtype=np.int64),
+                                                self.cfg.num_mini_batches) if len(g)]
             for group in groups:
                 group = [mbs[i] for i in group]
                 denom = self._global_denominator(group)

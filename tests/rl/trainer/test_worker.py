@@ -62,6 +62,14 @@ def test_train_step_changes_weights_and_ranks_agree(ranks):
     assert pos > neg
 
 
+def test_fewer_micro_batches_than_mini_batches_still_trains(ranks):
+    # 2 samples over 2 ranks: one micro-batch per rank, num_mini_batches=2 (an empty split used to
+    # reach ZeRO-3's engine.step() without a backward and crash in its grad-norm computation).
+    batch = make_batch(n=2, seed=3)
+    stats = wait_all([a.call("train_step", batch, 2) for a in ranks])
+    assert stats[0]["train/grad_norm"] > 0 and stats[0]["train/loss"] == stats[1]["train/loss"]
+
+
 def test_weight_sync_delivers_the_gathered_weights(ranks):
     plan = ranks[0].call("sync_plan").result()
     full = wait_all([a.call("full_state_dict") for a in ranks])[0]
