@@ -81,15 +81,24 @@ def _new_step_after_resume(run_dir: Path, restart: int) -> bool:
     return len(parts) > restart and re.search(r"^step +\d+/", parts[restart], re.M) is not None
 
 
+def _still_running(job_id: str) -> bool:
+    """False once the job ended for good (it failed: stop waiting for its steps)."""
+    state = leader_state(job_id)
+    if state.split(" ")[0] in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+        raise AssertionError(f"job {job_id} ended ({state}) before the interruptions")
+    return True
+
+
 def interrupt(run_dir: Path, job_id: str, out: Path, record: dict) -> None:
     """Requeue `job_id` from outside after step 3; preempt it after the restart's first step."""
     try:
-        wait_until(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 3, RUN_TIMEOUT_S,
-                   "step 3 of the first run")
+        wait_until(lambda: _still_running(job_id)
+                   and len(read_jsonl(run_dir / "metrics.jsonl")) >= 3, RUN_TIMEOUT_S,
+                   "step 3 of the first run", poll_s=2)
         record["requeued_at_step"] = len(read_jsonl(run_dir / "metrics.jsonl"))
         subprocess.run(["scontrol", "requeue", job_id], check=True, capture_output=True)
-        wait_until(lambda: _new_step_after_resume(run_dir, 1), RUN_TIMEOUT_S,
-                   "a trained step after the first resume")
+        wait_until(lambda: _still_running(job_id) and _new_step_after_resume(run_dir, 1),
+                   RUN_TIMEOUT_S, "a trained step after the first resume", poll_s=2)
         record["preempted_at_step"] = len(read_jsonl(run_dir / "metrics.jsonl"))
         urgent = subprocess.run(
             ["sbatch", "--parsable", "-p", "urgent", "-w", "n1", "-c", "3", "-J", "preemptor",
