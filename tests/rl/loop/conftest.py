@@ -17,7 +17,8 @@ BASE_OVERRIDES = [
     "trainer.lr=1e-3", "trainer.num_mini_batches=1", "eval.every=3", "eval.num_prompts=16",
     "eval.pass_k=2", "checkpoint.every=3", "algorithm.kl_coef=0.01",
     "reward.function=tests.rl.loop.plugins:short_answer", "sync.verify=true",
-    "sync.check_logprobs=true", "sync.timeout_s=120",
+    "sync.check_logprobs=true", "sync.timeout_s=120", "trainer.warmup_steps=2",
+    "sft.steps=300",  # the fully trained warm start (the demo's is deliberately short)
     # The harder task of the first demo config: answers of 1-3 characters, so short_answer has room.
     "data.synthetic.max_value=99", "data.synthetic.num_train=4000",
 ]
