@@ -32,6 +32,21 @@ def _barrier(pg, device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _time_reps(pg, device, reps: int, once) -> list[float]:
+    """Runs `once()` reps + 2 times, each between barriers on both ranks; returns the wall times
+    after 2 warm-ups (compile, then capture the pack graphs)."""
+    times = []
+    for i in range(reps + 2):
+        _barrier(pg, device)
+        t0 = time.perf_counter()
+        once()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
 class Sender:
     """Trainer stand-in (rank 0): a random bf16 model and two WeightSenders (fp8 / bf16 wire)."""
 
@@ -62,15 +77,13 @@ class Sender:
         self.pg = self.senders["fp8"].group.pg
 
     def run(self, method: str, reps: int) -> list[float]:
-        times = []
         params = [p.detach() for p in self.model.parameters()]
         flat = None
         if method == "flat":
             flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
                                device=self.device)
-        for i in range(reps + 2):  # 2 warm-ups: compile, then capture the pack graphs
-            _barrier(self.pg, self.device)
-            t0 = time.perf_counter()
+
+        def once() -> None:
             if method in ("fp8", "native"):
                 self.version += 1
                 self.senders[method].send(version=self.version)
@@ -79,11 +92,7 @@ class Sender:
                     self.pg.broadcast([p]).wait()
             else:
                 self.pg.broadcast([flat]).wait()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        return times
+        return _time_reps(self.pg, self.device, reps, once)
 
     def shutdown(self) -> None:
         from rl.sync.transport import destroy
@@ -109,16 +118,14 @@ class Receiver:
         return self.engine.model.weight_bytes()
 
     def run(self, method: str, reps: int, info: dict) -> list[float]:
-        times = []
         dtype = getattr(torch, info["dtype"].removeprefix("torch."))
         bufs = flat = None
         if method == "per_tensor":
             bufs = [torch.empty(s, dtype=dtype, device=self.device) for s in info["shapes"]]
         elif method == "flat":
             flat = torch.empty(info["num_params"], dtype=dtype, device=self.device)
-        for i in range(reps + 2):
-            _barrier(self.pg, self.device)
-            t0 = time.perf_counter()
+
+        def once() -> None:
             if method in ("fp8", "native"):
                 self.engine.receive_weights(info["plans"][method], version=self.engine.weight_version + 1)
             elif method == "per_tensor":
@@ -126,11 +133,7 @@ class Receiver:
                     self.pg.broadcast([b]).wait()
             else:
                 self.pg.broadcast([flat]).wait()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        return times
+        return _time_reps(self.pg, self.device, reps, once)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -105,8 +105,11 @@ class RolloutPipeline:
         return [b.to_state() for b in self.pending]
 
     @property
-    def interrupting(self) -> bool:
-        return self.ahead > 0 and self.mode == "resume" and self.budget < self.max_new
+    def ahead_sampling(self) -> SamplingParams:
+        """Sampling of the batches generated ahead: cut at the interrupt budget in `resume` mode."""
+        if self.ahead > 0 and self.mode == "resume" and self.budget < self.max_new:
+            return dataclasses.replace(self.sampling, max_new_tokens=self.budget)
+        return self.sampling
 
     # ---- the loop's verbs --------------------------------------------------------------------
     def take(self, step: int) -> RolloutBatch:
@@ -136,9 +139,7 @@ class RolloutPipeline:
         """Start generating the batches of steps step+1 .. step+max_staleness (<= last_step) that
         are neither pending nor in flight; prompts are drawn now, in step order."""
         have = {b.step for b in self.pending} | {b.step for b, _ in self._in_flight}
-        sampling = self.sampling
-        if self.interrupting:
-            sampling = dataclasses.replace(sampling, max_new_tokens=self.budget)
+        sampling = self.ahead_sampling
         for t in range(step + 1, min(step + self.ahead, last_step) + 1):
             if t in have:
                 continue
@@ -149,9 +150,7 @@ class RolloutPipeline:
 
     def collect(self) -> None:
         """Wait for the generations launched ahead (before the weights change under them)."""
-        sampling = self.sampling
-        if self.interrupting:
-            sampling = dataclasses.replace(sampling, max_new_tokens=self.budget)
+        sampling = self.ahead_sampling
         for batch, gen in self._in_flight:
             batch.groups, batch.seconds = self.ctx.collect(
                 gen, self._prompts(batch.indices), sampling, rollout_seed(self.seed, batch.step))

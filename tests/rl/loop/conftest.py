@@ -92,3 +92,19 @@ def final_weights(run_dir: Path) -> dict:
     from rl.checkpoint import CheckpointManager
     path, _ = CheckpointManager(run_dir).latest()
     return get_fp32_state_dict_from_zero_checkpoint(str(path / "trainer"), tag="ds")
+
+
+def assert_same_run(run_dir: Path, ref_dir: Path, keys=COMPARED) -> None:
+    """Steps 1..6 of `run_dir` equal the reference's: every metric of `keys` and the final fp32
+    weights, bitwise."""
+    import torch
+    got, want = read_metrics(run_dir), read_metrics(ref_dir)
+    assert [m["step"] for m in got] == list(range(1, 7))
+    for g, w in zip(got, want):
+        for key in keys:
+            if key in w:
+                assert g[key] == w[key], (g["step"], key, g[key], w[key])
+    a, b = final_weights(run_dir), final_weights(ref_dir)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

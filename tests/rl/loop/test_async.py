@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from tests.rl.loop.conftest import (COMPARED, final_weights, make_cfg, read_metrics, start_submit,
-                                    wait_for)
+from tests.rl.loop.conftest import (COMPARED, assert_same_run, make_cfg, read_metrics,
+                                    start_submit, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -83,16 +83,8 @@ def test_async_sigterm_and_resume_equals_uninterrupted_run(async_reference, tmp_
     assert {s["weight_version"] for g in pending[0]["groups"] for s in g} == {stopped_at - 1}
     proc = start_submit(tmp_path, "resumed", *ASYNC)
     assert proc.wait(900) == 0
-    got, want = read_metrics(run_dir), read_metrics(ref_cfg.run_dir)
-    assert [m["step"] for m in got] == list(range(1, 7))
-    for g, w in zip(got, want):
-        for key in (*COMPARED, "rollout/resumed_frac", "rollout/staleness_mean"):
-            if key in w:
-                assert g[key] == w[key], (g["step"], key, g[key], w[key])
-    a, b = final_weights(run_dir), final_weights(ref_cfg.run_dir)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_same_run(run_dir, ref_cfg.run_dir,
+                    (*COMPARED, "rollout/resumed_frac", "rollout/staleness_mean"))
 
 
 def test_lowering_max_staleness_on_resume_drops_older_samples(tmp_path, ray_local):

@@ -6,9 +6,8 @@ import signal
 import threading
 
 import pytest
-import torch
 
-from tests.rl.loop.conftest import (COMPARED, final_weights, kill_group, make_cfg, read_metrics,
+from tests.rl.loop.conftest import (assert_same_run, kill_group, make_cfg, read_metrics,
                                     start_submit, wait_for)
 
 pytestmark = pytest.mark.slow
@@ -25,16 +24,7 @@ def test_sigterm_and_resume_equals_uninterrupted_run(reference_run, tmp_path):
     assert 3 <= stopped_at < 6
     proc = start_submit(tmp_path, "resumed")
     assert proc.wait(900) == 0
-    got, want = read_metrics(run_dir), read_metrics(ref_cfg.run_dir)
-    assert [m["step"] for m in got] == list(range(1, 7))
-    for g, w in zip(got, want):
-        for key in COMPARED:
-            if key in w:
-                assert g[key] == w[key], (g["step"], key, g[key], w[key])
-    a, b = final_weights(run_dir), final_weights(ref_cfg.run_dir)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_same_run(run_dir, ref_cfg.run_dir)
     # TensorBoard continues without gaps or duplicates.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})

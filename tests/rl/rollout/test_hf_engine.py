@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from rl.models.tokenizer import EOS_ID
 from rl.rollout.base import RolloutEngine, SamplingParams
+from tests.rl.rollout.checks import assert_generated
 
 
 def forward_logprobs(model, prompt, response) -> list[float]:
@@ -19,23 +19,10 @@ def test_generates_n_samples_per_prompt_with_finish_reasons(hf_engine, prompts):
     # Extra stop tokens beside <eos> (always a stop), so both finish reasons show up.
     stop = [t for t in range(3, 100, 3)]
     sp = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=5, stop_token_ids=stop)
-    groups = hf_engine.generate(prompts, sp)
-    assert len(groups) == len(prompts) and all(len(g) == 4 for g in groups)
-    reasons = set()
-    for prompt, group in zip(prompts, groups):
-        for s in group:
-            assert s.prompt_ids == prompt and s.weight_version == 0
-            assert 1 <= len(s.response_ids) <= 10 and len(s.logprobs) == len(s.response_ids)
-            stops = [j for j, t in enumerate(s.response_ids) if t in stop or t == EOS_ID]
-            if s.finish_reason == "stop":
-                assert stops == [len(s.response_ids) - 1]  # ends at its only stop token
-            else:
-                assert s.finish_reason == "length" and not stops and len(s.response_ids) == 10
-            reasons.add(s.finish_reason)
-            assert s.text == hf_engine.tokenizer.decode(
-                s.response_ids[:-1] if s.finish_reason == "stop" else s.response_ids,
-                skip_special_tokens=True)
-    assert reasons == {"stop", "length"}
+    for s in assert_generated(hf_engine.generate(prompts, sp), prompts, 4, 10, stop):
+        assert s.text == hf_engine.tokenizer.decode(
+            s.response_ids[:-1] if s.finish_reason == "stop" else s.response_ids,
+            skip_special_tokens=True)
 
 
 def test_sampling_is_seeded_per_call_and_leaves_the_global_rng_alone(hf_engine, prompts):

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from rl.config import ConfigError, RolloutConfig, load_config
-from rl.models.tokenizer import EOS_ID
 from rl.quant.wire import pack_fp8_for_wire, scale_name
 from rl.rollout import create_engine
 from rl.rollout.base import RolloutEngine, SamplingParams
 from rl.rollout.native_engine import NativeEngine, sample_tokens
+from tests.rl.rollout.checks import assert_generated
 
 
 def native(model_dir, **kw) -> NativeEngine:
@@ -45,23 +45,10 @@ def test_generate_shapes_finish_reasons_and_decode_logprobs(engine, hf_engine, p
     stop = list(range(3, 100, 3))
     sp = SamplingParams(n=3, temperature=0.8, top_p=0.95, top_k=50, max_new_tokens=10, seed=5,
                         stop_token_ids=stop)
-    groups = engine.generate(prompts, sp)
-    assert len(groups) == len(prompts) and all(len(g) == 3 for g in groups)
-    reasons = set()
-    for prompt, group in zip(prompts, groups):
-        for s in group:
-            assert s.prompt_ids == prompt and s.weight_version == 0
-            assert 1 <= len(s.response_ids) <= 10 and len(s.logprobs) == len(s.response_ids)
-            stops = [j for j, t in enumerate(s.response_ids) if t in stop or t == EOS_ID]
-            if s.finish_reason == "stop":
-                assert stops == [len(s.response_ids) - 1]
-            else:
-                assert not stops and len(s.response_ids) == 10
-            reasons.add(s.finish_reason)
-            # Decode-time log-probs are the raw temperature-1 values of a full forward pass.
-            ref = hf_engine.score([s.prompt_ids], [s.response_ids])[0]
-            assert max(abs(a - b) for a, b in zip(ref, s.logprobs)) < 1e-4
-    assert reasons == {"stop", "length"}
+    for s in assert_generated(engine.generate(prompts, sp), prompts, 3, 10, stop):
+        # Decode-time log-probs are the raw temperature-1 values of a full forward pass.
+        ref = hf_engine.score([s.prompt_ids], [s.response_ids])[0]
+        assert max(abs(a - b) for a, b in zip(ref, s.logprobs)) < 1e-4
 
 
 def test_greedy_matches_hf_and_chunking_does_not_change_it(model_dir, engine, hf_engine, prompts):
