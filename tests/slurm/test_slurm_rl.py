@@ -219,7 +219,13 @@ def test_requeue_and_preemption_resume_to_the_uninterrupted_metrics(runs):
     resumed = [int(line.rsplit("step ", 1)[1]) for line in output.splitlines()
                if line.startswith("resuming ")]
     assert len(resumed) == 2, resumed
-    assert 2 <= resumed[0] <= record["requeued_at_step"], (resumed, record)
+    # The outside requeue came once step 3 was logged; the step then in flight (4, a checkpoint
+    # step) may still have finished and saved before the SIGTERM arrived. Either way the first
+    # resume is from a checkpoint the first life reached.
+    first_life = output.split("\nresuming ")[0]
+    reached = max((int(m) for m in re.findall(r"^step +(\d+)/", first_life, re.M)), default=0)
+    assert 2 <= resumed[0] <= min(reached, record["requeued_at_step"] + 1), (
+        resumed, reached, record)
     assert resumed[1] >= max(resumed[0], record["preempted_at_step"]), (resumed, record)
     assert events[-1]["event"] == "done" and events[-1]["step"] == 6
     # Per-step metrics equal the uninterrupted run's, bit for bit.
