@@ -3,7 +3,7 @@
 
 Two runs of configs/slurm_cpu_test.yaml go side by side (module fixture `runs`, ~10 min):
 - `reference`: `python -m launch.submit ... --wait`, in the `urgent` partition (never preempted)
-  with 1 CPU per node: uninterrupted, 6 steps.
+  with 1 CPU per node: uninterrupted, 10 steps (NUM_STEPS) of about a second each.
 - `interrupted`: the same config in `batch` with 2 CPUs per node, submitted without --wait. Once
   it logged step 3 it is requeued from outside (`scontrol requeue`: SIGTERM to every step, Ray
   dies, the restart resumes from the last complete checkpoint); once the restarted job logged a
@@ -34,6 +34,7 @@ NODE_IPS = {"n1": f"{_NET}.11", "n2": f"{_NET}.12", "n3": f"{_NET}.13"}
 COMPARED = ("reward/mean", "reward/std", "train/loss", "train/kl", "train/grad_norm",
             "train/entropy", "rollout/response_length", "eval/pass1")
 RUN_TIMEOUT_S = 1500
+NUM_STEPS = 10  # configs/slurm_cpu_test.yaml: room after each interruption for the next one
 
 
 def _submit_cmd(out: Path, name: str, *extra: str) -> list[str]:
@@ -94,11 +95,11 @@ def interrupt(run_dir: Path, job_id: str, out: Path, record: dict) -> None:
     try:
         wait_until(lambda: _still_running(job_id)
                    and len(read_jsonl(run_dir / "metrics.jsonl")) >= 3, RUN_TIMEOUT_S,
-                   "step 3 of the first run", poll_s=2)
+                   "step 3 of the first run", poll_s=0.5)
         record["requeued_at_step"] = len(read_jsonl(run_dir / "metrics.jsonl"))
         subprocess.run(["scontrol", "requeue", job_id], check=True, capture_output=True)
         wait_until(lambda: _still_running(job_id) and _new_step_after_resume(run_dir, 1),
-                   RUN_TIMEOUT_S, "a trained step after the first resume", poll_s=2)
+                   RUN_TIMEOUT_S, "a trained step after the first resume", poll_s=0.5)
         record["preempted_at_step"] = len(read_jsonl(run_dir / "metrics.jsonl"))
         urgent = subprocess.run(
             ["sbatch", "--parsable", "-p", "urgent", "-w", "n1", "-c", "3", "-J", "preemptor",
@@ -182,8 +183,9 @@ def test_submit_wait_runs_the_loop_on_trainer_and_rollout_nodes(runs):
     run_dir = runs["out"] / "reference"
     job_id = json.loads((run_dir / "slurm_job.json").read_text())["job_id"]
     assert f"submitted Slurm job {job_id}" in log and "tensorboard --logdir" in log
-    assert "step    6/6" in log  # --wait streamed the job's progress
-    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 7))
+    assert f"step {NUM_STEPS:>4}/{NUM_STEPS}" in log  # --wait streamed the job's progress
+    steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, NUM_STEPS + 1))
     # Ray spanned the 3 nodes with the group labels ...
     assert (f"nodes n1={NODE_IPS['n1']} (trainer_node), n2={NODE_IPS['n2']} (trainer_node), "
             f"n3={NODE_IPS['n3']} (rollout_node)") in log
@@ -227,12 +229,13 @@ def test_requeue_and_preemption_resume_to_the_uninterrupted_metrics(runs):
     assert 2 <= resumed[0] <= min(reached, record["requeued_at_step"] + 1), (
         resumed, reached, record)
     assert resumed[1] >= max(resumed[0], record["preempted_at_step"]), (resumed, record)
-    assert events[-1]["event"] == "done" and events[-1]["step"] == 6
+    assert events[-1]["event"] == "done" and events[-1]["step"] == NUM_STEPS
     # Per-step metrics equal the uninterrupted run's, bit for bit.
     runs["reference"].wait(RUN_TIMEOUT_S)
     want = read_jsonl(runs["out"] / "reference" / "metrics.jsonl")
     got = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in got] == [m["step"] for m in want] == list(range(1, 7))
+    steps = list(range(1, NUM_STEPS + 1))
+    assert [m["step"] for m in got] == [m["step"] for m in want] == steps
     for g, w in zip(got, want):
         for key in COMPARED:
             if key in w:
@@ -244,7 +247,7 @@ def test_requeue_and_preemption_resume_to_the_uninterrupted_metrics(runs):
     counts = [(e.step, e.value) for e in acc.Scalars("slurm/restart_count")]
     assert counts == [(0, 0.0), (resumed[0], 1.0), (resumed[1], 2.0)], counts
     assert acc.Scalars("slurm/requeue_signal")[-1].value == 12.0
-    assert [e.step for e in acc.Scalars("reward/mean")] == list(range(1, 7))
+    assert [e.step for e in acc.Scalars("reward/mean")] == steps
 
 
 @pytest.mark.timeout(300)
@@ -257,6 +260,6 @@ def test_status_shows_state_step_restarts_and_checkpoint(runs):
     assert out.returncode == 0, out.stderr
     job_id = runs["record"]["job_id"]
     assert f"job:        {job_id}  state: COMPLETED" in out.stdout, out.stdout
-    assert "step:       6" in out.stdout
+    assert f"step:       {NUM_STEPS}" in out.stdout
     assert "restarts:   2  (last: requeued on SIGUSR2)" in out.stdout
-    assert f"checkpoint: {run_dir / 'checkpoints' / 'step_000006'}" in out.stdout
+    assert f"checkpoint: {run_dir / 'checkpoints' / f'step_{NUM_STEPS:06d}'}" in out.stdout
