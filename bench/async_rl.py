@@ -71,10 +71,12 @@ def run_mode(cfg_path: str, overrides: list[str], staleness: int, out_dir: Path)
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0], _extra)
     overrides = list(args.overrides) + (SMOKE if args.smoke else [])
-    if _has_ray():
+    from rl.config import load_config
+    from rl.runtime import choose_placement
+    cfg = load_config(args.config, overrides)
+    if choose_placement(cfg).backend == "ray":  # the loop's own choice: Ray when it is installed
         from launch.job import start_local_ray
-        from rl.config import load_config
-        start_local_ray(load_config(args.config, overrides))
+        start_local_ray(cfg)
     root = Path(args.runs_dir) if args.runs_dir else Path(tempfile.mkdtemp(prefix="bench-async-"))
     runs: list[dict] = []
     for s in args.staleness:
@@ -104,14 +106,6 @@ def _write(args, overrides: list[str], runs: list[dict]) -> None:
                   ["mode", "step_s", "step_vs_on_policy", "rollout_s", "train_s", "sync_s",
                    "trainer_idle", "rollout_idle", "staleness_mean", "warm_acc", "final_acc",
                    "wall_s"], notes)
-
-
-def _has_ray() -> bool:
-    try:
-        import ray  # noqa: F401
-        return True
-    except ImportError:
-        return False
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from launch.status import read_jsonl
 
@@ -34,7 +35,7 @@ NODE_IPS = {"n1": f"{_NET}.11", "n2": f"{_NET}.12", "n3": f"{_NET}.13"}
 COMPARED = ("reward/mean", "reward/std", "train/loss", "train/kl", "train/grad_norm",
             "train/entropy", "rollout/response_length", "eval/pass1")
 RUN_TIMEOUT_S = 1500
-NUM_STEPS = 10  # configs/slurm_cpu_test.yaml: room after each interruption for the next one
+NUM_STEPS = yaml.safe_load(CONFIG.read_text())["num_steps"]  # room for both interruptions
 
 
 def _submit_cmd(out: Path, name: str, *extra: str) -> list[str]:
@@ -76,10 +77,13 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.5):
     return value
 
 
-def _new_step_after_resume(run_dir: Path, restart: int) -> bool:
-    """The job's output shows its `restart`-th resume followed by at least one trained step."""
-    parts = job_output(run_dir).split("\nresuming ")
-    return len(parts) > restart and re.search(r"^step +\d+/", parts[restart], re.M) is not None
+def life_steps(output: str, life: int) -> list[int]:
+    """The steps the job's output shows trained in `life` (0: before the first resume, k: after
+    the k-th resume; empty if that life has not resumed yet)."""
+    parts = output.split("\nresuming ")
+    if len(parts) <= life:
+        return []
+    return [int(m) for m in re.findall(r"^step +(\d+)/", parts[life], re.M)]
 
 
 def _still_running(job_id: str) -> bool:
@@ -98,7 +102,7 @@ def interrupt(run_dir: Path, job_id: str, out: Path, record: dict) -> None:
                    "step 3 of the first run", poll_s=0.5)
         record["requeued_at_step"] = len(read_jsonl(run_dir / "metrics.jsonl"))
         subprocess.run(["scontrol", "requeue", job_id], check=True, capture_output=True)
-        wait_until(lambda: _still_running(job_id) and _new_step_after_resume(run_dir, 1),
+        wait_until(lambda: _still_running(job_id) and life_steps(job_output(run_dir), 1),
                    RUN_TIMEOUT_S, "a trained step after the first resume", poll_s=0.5)
         record["preempted_at_step"] = len(read_jsonl(run_dir / "metrics.jsonl"))
         urgent = subprocess.run(
@@ -224,8 +228,7 @@ def test_requeue_and_preemption_resume_to_the_uninterrupted_metrics(runs):
     # The outside requeue came once step 3 was logged; the step then in flight (4, a checkpoint
     # step) may still have finished and saved before the SIGTERM arrived. Either way the first
     # resume is from a checkpoint the first life reached.
-    first_life = output.split("\nresuming ")[0]
-    reached = max((int(m) for m in re.findall(r"^step +(\d+)/", first_life, re.M)), default=0)
+    reached = max(life_steps(output, 0), default=0)
     assert 2 <= resumed[0] <= min(reached, record["requeued_at_step"] + 1), (
         resumed, reached, record)
     assert resumed[1] >= max(resumed[0], record["preempted_at_step"]), (resumed, record)
