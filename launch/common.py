@@ -12,14 +12,31 @@ EXIT_USAGE = 2
 
 def config_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("config", help="YAML config file (e.g. configs/local.yaml)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-6")
+    p.add_argument("config", nargs="+", metavar="CONFIG [CONFIG ...] [key=value ...]",
+                   help="one or more YAML config files (later files win), then dotted overrides "
+                        "such as trainer.lr=1e-6 (they win over every file)")
     return p
 
 
-def load_or_exit(path: str, overrides: list[str]) -> Config:
+def split_config_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Split the positional words into `config_files` (no '=') and `overrides` (with '='),
+    keeping `config` as the files joined by spaces for messages. Files must come first."""
+    words = list(args.config)
+    files = [w for w in words if "=" not in w]
+    overrides = [w for w in words if "=" in w]
+    if not files:
+        fail("config error: <command line>: expected a YAML config file before the overrides")
+    if words[:len(files)] != files:
+        late = next(w for w in words[len(files):] if "=" not in w)
+        fail(f"config error: <command line>:{late}: a config file after an override; put every "
+             "file before the key=value overrides")
+    args.config_files, args.overrides, args.config = files, overrides, " ".join(files)
+    return args
+
+
+def load_or_exit(paths: str | list[str], overrides: list[str]) -> Config:
     try:
-        return load_config(path, overrides)
+        return load_config(paths, overrides)
     except ConfigError as e:
         fail(f"config error: {e}")
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 
-from launch.common import EXIT_USAGE, config_parser, fail, load_or_exit
+from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
+                           split_config_args)
 from rl.config import Config, ConfigError
 
 
@@ -32,8 +33,8 @@ def check_or_exit(cfg: Config, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = config_parser(__doc__).parse_args(argv)
-    cfg = load_or_exit(args.config, args.overrides)
+    args = split_config_args(config_parser(__doc__).parse_args(argv))
+    cfg = load_or_exit(args.config_files, args.overrides)
     verdict = _verdict(cfg, " ".join([args.config, *args.overrides]))
     print(verdict.report)
     return 0 if verdict.fits else 1

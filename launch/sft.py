@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import sys
 
-from launch.common import config_parser, fail, load_or_exit, quiet_libraries
+from launch.common import (config_parser, fail, load_or_exit, quiet_libraries,
+                           split_config_args)
 from rl.config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = config_parser(__doc__).parse_args(argv)
-    cfg = load_or_exit(args.config, args.overrides)
+    args = split_config_args(config_parser(__doc__).parse_args(argv))
+    cfg = load_or_exit(args.config_files, args.overrides)
     quiet_libraries()
     from rl.sft import run_sft, sft_dir
     out = sft_dir(cfg)

@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from launch.common import EXIT_USAGE, config_parser, fail, load_or_exit
+from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
+                           split_config_args)
 from rl.signals import EXIT_REQUEUE
 
 
@@ -91,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait", action="store_true",
                    help="Slurm: follow the job (through requeues) and stream its output; exit "
                         "status 0 when the run finished (a local run always waits)")
-    args = p.parse_args(argv)
-    cfg = load_or_exit(args.config, args.overrides)
+    args = split_config_args(p.parse_args(argv))
+    cfg = load_or_exit(args.config_files, args.overrides)
     if cfg.cluster.kind == "local":
         return run_local(cfg, args)
     if not args.no_plan_check:  # Slurm only: a local CPU run has no GPU budget to check

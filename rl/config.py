@@ -529,7 +529,9 @@ def _convert(value: Any, tp: Any, where: str, key: str) -> Any:
     raise TypeError(f"unsupported config type {tp!r} at {key}")
 
 
-def _build(cls: type, data: dict, where: str, prefix: str = "") -> Any:
+def _build(cls: type, data: dict, where: "str | typing.Callable[[str], str]",
+           prefix: str = "") -> Any:
+    """`where`: the source named in errors, or a function from a dotted key to its source."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -538,17 +540,23 @@ def _build(cls: type, data: dict, where: str, prefix: str = "") -> Any:
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"{where}:{full}: unknown key{hint}; valid keys: {', '.join(names)}")
+            raise ConfigError(f"{_source(where, full)}:{full}: unknown key{hint}; valid keys: "
+                              f"{', '.join(names)}")
         try:
             kwargs[key] = _convert(value, hints[key], where, full)
         except _Mismatch:
-            raise ConfigError(
-                f"{where}:{full}: got {value!r}, expected {_type_name(hints[key])}") from None
+            raise ConfigError(f"{_source(where, full)}:{full}: got {value!r}, expected "
+                              f"{_type_name(hints[key])}") from None
     try:
         return cls(**kwargs)
     except FieldError as e:
         full = f"{prefix}.{e.key}" if prefix else e.key
-        raise ConfigError(f"{where}:{full}: got {e.value!r}, expected {e.expected}") from None
+        raise ConfigError(f"{_source(where, full)}:{full}: got {e.value!r}, expected "
+                          f"{e.expected}") from None
+
+
+def _source(where: "str | typing.Callable[[str], str]", key: str) -> str:
+    return where(key) if callable(where) else where
 
 
 def to_dict(cfg: Any) -> dict:
@@ -585,31 +593,64 @@ def parse_override(text: str) -> dict:
     return out
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Load `path` (YAML), apply dotted `overrides`, validate. Raises ConfigError."""
+def _leaves(data: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out.extend(_leaves(v, key) if isinstance(v, dict) and v else [key])
+    return out
+
+
+def _read_yaml(path: str | Path) -> dict:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{line}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str] = ()) -> Config:
+    """Load one YAML file or several layered ones (later files win), apply the dotted
+    `overrides` (they win over every file), then validate the result once, so cross-field
+    checks see the final values whatever the order of the overrides. Raises ConfigError naming
+    the file (or `<command line>`) that set the offending key last."""
+    if paths is None:
+        paths = []
+    elif isinstance(paths, (str, Path)):
+        paths = [paths]
     data: dict = {}
-    where = "<defaults>"
-    if path is not None:
-        where = str(path)
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read config file ({e.strerror})") from None
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            line = f":{mark.line + 1}" if mark else ""
-            raise ConfigError(f"{path}{line}: invalid YAML ({getattr(e, 'problem', e)})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    cfg = _build(Config, data, where)
-    for text in overrides:
-        # Each override is validated on its own first, so an error names the command line.
-        override = parse_override(text)
-        _build(Config, _merge(to_dict(cfg), override), "<command line>")
-        data = _merge(data, override)
-    return _build(Config, data, where) if overrides else cfg
+    origin: dict[str, tuple[int, str]] = {}  # dotted key -> (layer, file or "<command line>")
+    layers = [(str(p), _read_yaml(p)) for p in paths]
+    layers += [("<command line>", parse_override(text)) for text in overrides]
+    for n, (source, layer) in enumerate(layers):
+        data = _merge(data, layer)
+        origin.update({key: (n, source) for key in _leaves(layer)})
+    fallback = str(paths[-1]) if paths else "<defaults>"
+
+    def where(key: str) -> str:
+        # The key itself, or the nearest enclosing key a layer set (a whole mapping replaced).
+        parts = key.split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in origin:
+                return origin[".".join(parts[:n])][1]
+        # A cross-field check names a key nobody set (`data.train_path` when `data.source` is
+        # `file`): blame the latest layer that set a key beside it.
+        for n in range(len(parts) - 1, -1, -1):
+            prefix = ".".join(parts[:n])
+            near = [v for k, v in origin.items() if not prefix or k.startswith(prefix + ".")]
+            if near:
+                return max(near)[1]
+        return fallback
+
+    return _build(Config, data, where)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

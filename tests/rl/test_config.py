@@ -80,3 +80,46 @@ def test_cli_typo_exits_2_with_one_line():
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "trainr" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_overrides_are_validated_as_a_set_in_any_order(order):
+    # `data.source=file` alone fails the cross-field check (no train_path); together they pass,
+    # whichever comes first.
+    pair = ["data.source=file", "data.train_path=my.jsonl"]
+    cfg = load_config(ROOT / "configs" / "local.yaml", pair if order == 0 else pair[::-1])
+    assert cfg.data.source == "file" and cfg.data.train_path == "my.jsonl"
+
+
+def test_cross_field_error_names_the_layer_that_caused_it():
+    with pytest.raises(ConfigError, match=r"^<command line>:data.train_path: got None"):
+        load_config(ROOT / "configs" / "local.yaml", ["data.source=file"])
+
+
+def test_layered_files_later_wins_and_errors_name_the_file(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("num_steps: 7\ntrainer:\n  lr: 0.1\n  zero_stage: 2\n")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("trainer:\n  lr: 0.2\n")
+    cfg = load_config([base, mine], ["num_steps=9"])
+    assert (cfg.num_steps, cfg.trainer.lr, cfg.trainer.zero_stage) == (9, 0.2, 2)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  zero_stage: 7\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:trainer.zero_stage: got 7"):
+        load_config([base, bad, mine])
+    # The file that set a bad value is named, not the last file.
+    with pytest.raises(ConfigError, match=r"bad.yaml:trainer.zero_stage: got 7"):
+        load_config([bad, mine])
+
+
+def test_cli_takes_several_config_files_then_overrides(tmp_path):
+    from launch.common import config_parser, split_config_args
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("num_steps: 3\n")
+    args = split_config_args(config_parser("x").parse_args(
+        ["configs/local.yaml", str(mine), "trainer.lr=1e-4"]))
+    assert args.config_files == ["configs/local.yaml", str(mine)]
+    assert args.overrides == ["trainer.lr=1e-4"]
+    with pytest.raises(SystemExit) as e:
+        split_config_args(config_parser("x").parse_args(["configs/local.yaml", "a.b=1", str(mine)]))
+    assert e.value.code == 2
