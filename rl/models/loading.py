@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel
 from transformers import PreTrainedTokenizerBase
 
 from rl.config import ConfigError, ModelConfig
+from rl.models.hf_classes import transformers_classes
 from rl.models.presets import build_preset
 
 DEFAULT_CACHE_ROOT = Path("checkpoints/models")
@@ -63,10 +64,14 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device =
     e_score_correction_bias); integer buffers (`tid2eid`) stay integer. Attention is eager for
     architectures whose HF code has no other implementation (DeepSeek-V4), SDPA otherwise.
     """
-    attn = "eager" if model_type(model_dir) in _EAGER_ONLY else "sdpa"
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=dtype, attn_implementation=attn, local_files_only=True)
+    kind = model_type(model_dir)
+    attn = "eager" if kind in _EAGER_ONLY else "sdpa"
+    config_cls, model_cls = transformers_classes(kind)
+    config = config_cls.from_pretrained(str(model_dir), local_files_only=True)
+    model = model_cls.from_pretrained(str(model_dir), config=config, dtype=dtype,
+                                      attn_implementation=attn, local_files_only=True)
     return model.to(device).eval()
+
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:

@@ -24,8 +24,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
+from rl.models.hf_classes import transformers_classes
 from rl.models.name_maps import checkpoint_state
 from rl.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer
 
@@ -92,7 +93,8 @@ def preset_config(name: str, vocab_size: int) -> PretrainedConfig:
     if name not in _BUILDERS:
         raise ValueError(f"unknown model preset {name!r}; expected one of {', '.join(PRESETS)}")
     model_type, fields = _BUILDERS[name]
-    return AutoConfig.for_model(model_type, **fields(vocab_size), **_SPECIAL_IDS)
+    config_cls, _ = transformers_classes(model_type)
+    return config_cls(**fields(vocab_size), **_SPECIAL_IDS)
 
 
 @torch.no_grad()
@@ -118,7 +120,7 @@ def build_model(name: str, seed: int = 0) -> PreTrainedModel:
     tokenizer = build_char_tokenizer()
     config = preset_config(name, padded_vocab_size(len(tokenizer)))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers_classes(config.model_type)[1]._from_config(config, dtype=torch.float32)
     _init_buffers(model, torch.Generator().manual_seed(seed + 1))
     return model.eval()
 

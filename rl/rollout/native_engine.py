@@ -78,7 +78,8 @@ class NativeEngine:
 
     def __init__(self, model_dir: str | Path | None, cfg: RolloutConfig, *, dtype: str = "auto",
                  device: str = "auto", hf_config=None, score_batch_tokens: int = 16384):
-        from transformers import AutoConfig
+        from rl.models.hf_classes import transformers_classes
+        from rl.models.loading import model_type
 
         self.cfg = cfg
         self.model_dir = Path(model_dir) if model_dir is not None else None
@@ -88,7 +89,8 @@ class NativeEngine:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(dtype, self.device)
-        config = hf_config or AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
+        config = hf_config or transformers_classes(model_type(self.model_dir))[0].from_pretrained(
+            str(self.model_dir), local_files_only=True)
         self.shape = Shape.from_hf_config(config)
         impl = "triton" if self.device.type == "cuda" and triton_available() else "torch"
         if self.device.type == "cuda" and impl == "torch":
