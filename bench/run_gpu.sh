@@ -4,12 +4,14 @@
 #   bash bench/run_gpu.sh [sections...]      sections: tests_native rollout sync tests_sync train
 #   (tests_sync_only: the sync test without the RL step)
 # Writes into $OUT (default bench/results): run.log, gpu_report.jsonl, <bench>.json / .md.
-# Each section has its own time limit, so one hang cannot eat the others.
+# Each section has its own time limit, so one hang cannot eat the others. GPU tests run with
+# RL_GPU_STRICT=1 (a skipped GPU test fails: no missing dependency passes as green) and the
+# script exits non-zero when any section failed (its last line names them).
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 RL_GPU_STRICT=1
 export GPU_REPORT="$OUT/gpu_report.jsonl"
 if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import deepspeed" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -21,13 +23,16 @@ fi
 export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
 sections=${*:-tests_native rollout sync tests_sync train}
 
+failed=()
 run() {  # run NAME LIMIT_S CMD...
-    local name=$1 limit=$2
+    local name=$1 limit=$2 rc
     shift 2
     echo "=== $name (limit ${limit}s) $(date +%T)" | tee -a "$LOG"
     local t0=$SECONDS
     timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
-    echo "=== $name rc=$? in $((SECONDS - t0))s" | tee -a "$LOG"
+    rc=$?
+    echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
+    [ "$rc" = 0 ] || failed+=("$name")
 }
 
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton',
@@ -38,12 +43,17 @@ for s in $sections; do
             tests/gpu/test_native_gpu.py tests/rl/quant/test_fp8_gpu.py ;;
         rollout) run rollout 230 python3 -m bench.rollout --out "$OUT" ;;
         sync) run weight_sync 90 python3 -m bench.weight_sync --out "$OUT" ;;
-        tests_sync) run tests_sync 150 python3 -m pytest -q -p no:cacheprovider \
+        tests_sync) run tests_sync 300 python3 -m pytest -q -p no:cacheprovider \
             tests/gpu/test_sync_gpu.py tests/gpu/test_rl_step_gpu.py ;;
-        tests_sync_only) run tests_sync_only 150 python3 -m pytest -q -p no:cacheprovider \
+        tests_sync_only) run tests_sync_only 240 python3 -m pytest -q -p no:cacheprovider \
             tests/gpu/test_sync_gpu.py ;;
         train) run train 75 python3 -m bench.train --out "$OUT" ;;
-        *) echo "unknown section $s" | tee -a "$LOG" ;;
+        *) echo "unknown section $s" | tee -a "$LOG"; failed+=("$s") ;;
     esac
 done
 grep -E "^(=== |FAILED|ERROR|[0-9]+ (passed|failed))" "$LOG" | tail -40
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "FAILED SECTIONS: ${failed[*]}"
+    exit 1
+fi
+echo "all sections passed"

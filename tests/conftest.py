@@ -1,10 +1,17 @@
-"""Suite-wide settings: offline, single-threaded torch, GPU tests skipped without CUDA."""
+"""Suite-wide settings: offline, single-threaded torch, GPU tests skipped without CUDA.
+
+`RL_GPU_STRICT=1` (set by bench/run_gpu.sh on the GPU machine): a `gpu` test that skips, for
+whatever reason (no CUDA, one GPU where it needs two, DeepSpeed not installed), fails instead, so
+a missing dependency there can never pass as green.
+"""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR",
                       os.path.join(os.path.dirname(os.path.dirname(__file__)), ".cache", "torch_extensions"))
+
+import json  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -21,3 +28,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+GPU_STRICT = os.environ.get("RL_GPU_STRICT") == "1"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if GPU_STRICT and report.skipped and "gpu" in item.keywords:
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = (f"RL_GPU_STRICT=1: this GPU test skipped ({reason}); on the GPU "
+                           "machine a skip is a failure")
+
+
+@pytest.fixture(scope="session")
+def report():
+    """report(name, **values): print and, with GPU_REPORT set, append a JSON line."""
+    def write(name: str, **values) -> None:
+        print(f"[gpu-report] {name}: {values}")
+        path = os.environ.get("GPU_REPORT")
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps({"test": name, **values}) + "\n")
+    return write

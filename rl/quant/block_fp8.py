@@ -37,9 +37,15 @@ def _check_block(block: int) -> None:
         raise ValueError(f"block: got {block!r}, expected a positive int (DeepSeek uses 128)")
 
 
-def _scale_from_amax(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
-    """fp32 dequantisation scales from per-block amax (zero blocks -> 1.0)."""
-    scale = amax.float() / FP8_MAX
+def _scale_from_amax(amax: torch.Tensor, pow2: bool, exact: bool = False) -> torch.Tensor:
+    """fp32 dequantisation scales from per-block amax (zero blocks -> 1.0).
+
+    `exact`: the correctly rounded fp32 quotient, computed in fp64. A backend may divide a tensor
+    by a scalar as a multiply by its reciprocal (1 ulp off for some blocks), and one ulp in a
+    scale changes every dequantised value of its block: weight scales must be the same bits on
+    every device (the sync's tests compare the engine's weights with a CPU reference).
+    """
+    scale = (amax.double() / FP8_MAX).float() if exact else amax.float() / FP8_MAX
     scale = torch.where(amax > 0, scale, torch.ones_like(scale))
     if pow2:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
@@ -73,7 +79,7 @@ def quantize_weight_block(
         w32 = F.pad(w32, (0, kb * block - k, 0, nb * block - n))
     tiles = w32.reshape(*lead, nb, block, kb, block)
     amax = tiles.abs().amax(dim=(-3, -1))                   # (..., nb, kb)
-    scale = _scale_from_amax(amax, pow2)
+    scale = _scale_from_amax(amax, pow2, exact=True)
     q = _to_fp8(tiles / scale[..., :, None, :, None])
     w8 = q.reshape(*lead, nb * block, kb * block)[..., :n, :k].contiguous()
     return w8, scale

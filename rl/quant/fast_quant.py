@@ -35,10 +35,12 @@ if triton is not None:
         offs = e * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
         x = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        scale = tl.where(amax > 0, amax / fp8_max, 1.0)
+        # div_rn: IEEE division. Triton's `/` on fp32 may lower to an approximate division,
+        # and the scale and bytes must equal the torch reference's bit for bit on any device.
+        scale = tl.where(amax > 0, tl.div_rn(amax, fp8_max), 1.0)
         if POW2:
             scale = tl.exp2(tl.ceil(tl.log2(scale)))
-        y = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -fp8_max), fp8_max)
         tl.store(q_ptr + offs, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
         tl.store(s_ptr + e * NB * KB + nb * KB + kb, scale)
 

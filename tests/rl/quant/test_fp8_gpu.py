@@ -75,3 +75,23 @@ def test_swap_linears_on_cuda(tiny_qwen3_moe):
     assert isinstance(model.model.layers[0].mlp.experts, FP8Experts)
     assert len(report.quantized) == 13
     assert rel_err(out, ref) < 0.1
+
+
+@pytest.mark.parametrize("shape", [(1024, 1024), (4, 384, 640), (300, 200)])
+def test_block_quantisation_is_the_same_bits_on_cpu_cuda_and_triton(shape, report):
+    """The sync's wire bytes are checked against a CPU reference: the torch reference on the CPU,
+    the same on CUDA, and the Triton kernel of the sync must agree bit for bit (bytes and scales).
+    A weight drawn in bf16, as the trainer holds it."""
+    from rl.quant.fast_quant import quantize_weight_fast
+
+    g = torch.Generator().manual_seed(1)
+    w = (0.02 * torch.randn(shape, generator=g)).bfloat16()
+    q_cpu, s_cpu = quantize_weight_block(w)
+    q_cuda, s_cuda = quantize_weight_block(w.cuda())
+    q_tri, s_tri = quantize_weight_fast(w.cuda())
+    agree = {"scale_cuda": (s_cuda.cpu() == s_cpu).float().mean().item(),
+             "scale_triton": (s_tri.cpu() == s_cpu).float().mean().item(),
+             "bytes_cuda": (q_cuda.cpu().view(torch.uint8) == q_cpu.view(torch.uint8)).float().mean().item(),
+             "bytes_triton": (q_tri.cpu() == q_cpu.view(torch.uint8)).float().mean().item()}
+    report("fp8_quant_cpu_vs_gpu", shape=list(shape), **agree)
+    assert all(v == 1.0 for v in agree.values()), agree
