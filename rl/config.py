@@ -107,6 +107,13 @@ class DataConfig:
     train_path: str | None = None
     """JSONL or Parquet file of training prompts (source: file)."""
     eval_path: str | None = None
+    """JSONL or Parquet file of held-out prompts (source: file); unset = split `eval_fraction`
+    off `train_path`."""
+    eval_fraction: float = 0.05
+    """source: file without `eval_path`: the share of `train_path`'s distinct prompts held out as
+    the eval set, in [0, 1) (at least one prompt; every copy of a prompt lands on the same side,
+    so the splits are disjoint). The split is a pure function of the top-level `seed`. 0 = no
+    held-out set: evaluation is off. Ignored when `eval_path` is set or source is synthetic."""
     prompt_key: str = "question"
     answer_key: str = "answer"
     answer_format: Literal["auto", "gsm8k", "boxed", "raw"] = "auto"
@@ -122,6 +129,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "max_prompt_tokens")
+        _check(0 <= self.eval_fraction < 1, "eval_fraction", self.eval_fraction,
+               "a value in [0, 1)")
         _check(self.system_prompt is None or self.chat_template, "system_prompt", self.system_prompt,
                "null unless chat_template is true (a system prompt needs the chat template)")
         if self.source == "file":

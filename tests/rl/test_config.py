@@ -150,6 +150,8 @@ OUT_OF_RANGE = [
     ("trainer.zero_stage", 4, "0, 1, 2 or 3"),
     ("eval.pass_k_temperature", -1, "a value >= 0"),
     ("eval.num_prompts", 0, "a value > 0"),
+    ("data.eval_fraction", 1, "a value in [0, 1)"),
+    ("data.eval_fraction", -0.05, "a value in [0, 1)"),
     ("data.max_prompt_tokens", 0, "a value > 0"),
     ("seed", -3, "a value >= 0"),
     ("model.seed", -1, "a value >= 0"),
@@ -194,7 +196,7 @@ def test_negative_allowed_fields_accept_their_meaning():
 
 
 @pytest.mark.parametrize("key, value", [("algorithm.clip_low", 0.999), ("algorithm.clip_high", 1e-3),
- ("rollout.temperature", 0),
+                                        ("data.eval_fraction", 0), ("rollout.temperature", 0),
                                         ("rollout.max_new_tokens", 512), ("eval.pass_k_temperature", 0)])
 def test_range_bounds_that_are_allowed(key, value):
     load_config(None, [f"{key}={value}"])
