@@ -128,6 +128,14 @@ def test_cli_takes_several_config_files_then_overrides(tmp_path):
     assert e.value.code == 2
 
 
+def test_cli_flags_may_stand_among_the_overrides():
+    from launch.common import config_parser, split_config_args
+    p = config_parser("x")
+    p.add_argument("--force", action="store_true")
+    args = split_config_args(p.parse_args(["configs/local.yaml", "a.b=1", "--force", "c=2"]))
+    assert args.force and args.overrides == ["a.b=1", "c=2"]
+
+
 # (key, a value out of its range, what the error says is expected)
 OUT_OF_RANGE = [
     ("algorithm.clip_low", 2, "a value in (0, 1)"),
