@@ -49,16 +49,11 @@ def check_data_or_exit(cfg: Config) -> None:
         if cfg.data.source == "file":
             _check_prompt_lengths(cfg, train + evals)
     except DataError as e:
-        fail(f"data error: {e}{_unreadable_hint(cfg)}")
+        hint = " (pass --no-data-check if only the job's nodes can read it)" if str(e).endswith(
+            ": no such file") else ""
+        fail(f"data error: {e}{hint}")
     except ConfigError as e:
         fail(f"config error: {e}")
-
-
-def _unreadable_hint(cfg: Config) -> str:
-    paths = [p for p in (cfg.data.train_path, cfg.data.eval_path) if p is not None]
-    if cfg.data.source == "file" and any(not Path(p).exists() for p in paths):
-        return " (pass --no-data-check if only the job's nodes can read it)"
-    return ""
 
 
 def _check_prompt_lengths(cfg: Config, examples) -> None:
