@@ -10,8 +10,16 @@ from rl.config import Config, ConfigError, load_config
 EXIT_USAGE = 2
 
 
+class _ConfigParser(argparse.ArgumentParser):
+    """Flags may stand anywhere among the files and overrides (`a.yaml --force k=v`): a plain
+    parse ends the positional list at the first flag and refuses the words after it."""
+
+    def parse_args(self, args=None, namespace=None):
+        return self.parse_intermixed_args(args, namespace)
+
+
 def config_parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+    p = _ConfigParser(description=description)
     p.add_argument("config", nargs="+", metavar="CONFIG [CONFIG ...] [key=value ...]",
                    help="one or more YAML config files (later files win), then dotted overrides "
                         "such as trainer.lr=1e-6 (they win over every file)")

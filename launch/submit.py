@@ -4,6 +4,10 @@
 machine with Ray started locally, streaming its progress; `cluster.kind: slurm` checks the memory
 plan, submits a heterogeneous Slurm job (trainer group + rollout group, `slurm.submit`) and prints
 where to watch it; with `--wait` it follows the job through its requeues instead.
+
+Before anything starts, both refuse with one line and exit status 2 (`launch.checks`): a resume
+whose config differs from RUN_DIR/config.yaml in keys that matter (`--force`, `--no-resume`), and
+a malformed data row (`--no-data-check` for files only the job's nodes can read).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from launch.checks import check_data_or_exit, check_resume_or_exit
 from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
                            split_config_args)
 from rl.signals import EXIT_REQUEUE
@@ -89,16 +94,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
     p.add_argument("--force", action="store_true", help="resume despite config differences")
     p.add_argument("--no-plan-check", action="store_true", help="skip the memory plan check")
+    p.add_argument("--no-data-check", action="store_true",
+                   help="skip reading the data files here (for files only the job's nodes can read)")
     p.add_argument("--wait", action="store_true",
                    help="Slurm: follow the job (through requeues) and stream its output; exit "
                         "status 0 when the run finished (a local run always waits)")
     args = split_config_args(p.parse_args(argv))
     cfg = load_or_exit(args.config_files, args.overrides)
-    if cfg.cluster.kind == "local":
-        return run_local(cfg, args)
-    if not args.no_plan_check:  # Slurm only: a local CPU run has no GPU budget to check
+    # Everything that can be refused is refused here, before Ray, engines or an allocation.
+    if not args.no_resume:
+        check_resume_or_exit(cfg, args.force)
+    if cfg.cluster.kind == "slurm" and not args.no_plan_check:  # a local CPU run has no GPU budget
         from launch.plan import check_or_exit
         check_or_exit(cfg, args.config)
+    if not args.no_data_check:
+        check_data_or_exit(cfg)
+    from rl.data.datasets import eval_note
+    if note := eval_note(cfg.data, cfg.seed):
+        print(note, flush=True)
+    if cfg.cluster.kind == "local":
+        return run_local(cfg, args)
     try:
         from slurm.submit import submit_slurm
     except ImportError as e:

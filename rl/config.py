@@ -49,6 +49,13 @@ def _non_negative(obj: Any, *names: str) -> None:
         _check(value >= 0, name, value, "a value >= 0")
 
 
+def _open_unit(obj: Any, *names: str) -> None:
+    """Fractions that are meaningless at both ends (clip ranges)."""
+    for name in names:
+        value = getattr(obj, name)
+        _check(0 < value < 1, name, value, "a value in (0, 1)")
+
+
 # --------------------------------------------------------------------------------------
 # Components
 # --------------------------------------------------------------------------------------
@@ -64,11 +71,12 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Trainer parameter dtype. CPU trains in fp32 (bf16 is slow without AVX-512); GPUs use bf16."""
     seed: int = 0
-    """Seed for building a preset's random initial weights."""
+    """Seed for building a preset's random initial weights (>= 0)."""
     warm_start: bool = True
     """Start RL from the SFT warm-started checkpoint (built and cached by `launch.sft`)."""
 
     def __post_init__(self) -> None:
+        _non_negative(self, "seed")
         if self.path is None:
             _check(self.preset in MODEL_PRESETS, "preset", self.preset,
                    f"one of {', '.join(MODEL_PRESETS)} (or set model.path)")
@@ -99,6 +107,13 @@ class DataConfig:
     train_path: str | None = None
     """JSONL or Parquet file of training prompts (source: file)."""
     eval_path: str | None = None
+    """JSONL or Parquet file of held-out prompts (source: file); unset = split `eval_fraction`
+    off `train_path`."""
+    eval_fraction: float = 0.05
+    """source: file without `eval_path`: the share of `train_path`'s distinct prompts held out as
+    the eval set, in [0, 1) (at least one prompt; every copy of a prompt lands on the same side,
+    so the splits are disjoint). The split is a pure function of the top-level `seed`. 0 = no
+    held-out set: evaluation is off. Ignored when `eval_path` is set or source is synthetic."""
     prompt_key: str = "question"
     answer_key: str = "answer"
     answer_format: Literal["auto", "gsm8k", "boxed", "raw"] = "auto"
@@ -107,11 +122,15 @@ class DataConfig:
     """Wrap prompts with the tokenizer's chat template (instruct models)."""
     system_prompt: str | None = None
     max_prompt_tokens: int = 256
+    """Prompt tokens (with the run's tokenizer, after the chat template) a row may hold; the
+    submit-time data check refuses longer prompts (the job would keep only their end)."""
     shuffle: bool = True
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     def __post_init__(self) -> None:
         _positive(self, "max_prompt_tokens")
+        _check(0 <= self.eval_fraction < 1, "eval_fraction", self.eval_fraction,
+               "a value in [0, 1)")
         _check(self.system_prompt is None or self.chat_template, "system_prompt", self.system_prompt,
                "null unless chat_template is true (a system prompt needs the chat template)")
         if self.source == "file":
@@ -149,16 +168,21 @@ class RolloutConfig:
     n_samples: int = 8
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
+    """Sampling temperature of the rollouts (>= 0; 0 = greedy)."""
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 16
+    """Response budget per sample; <= max_model_len (the context holds the prompt too)."""
     gpu_memory_utilization: float = 0.85
     max_model_len: int = 512
+    """The engine's context length (prompt + response)."""
     enforce_eager: bool = True
     use_aiter: bool = False
     """ROCm only: turn on vLLM's AITER kernels (VLLM_ROCM_USE_AITER and friends)."""
     cpu_kvcache_gb: float = 1.0
     seed: int = 1234
+    """Seed of the rollout sampling (>= 0): each step's sampling seed is a pure function of it
+    and the step (`rl.pipeline.rollout_seed`); vLLM's engine seed too."""
     max_batch_size: int = 256
     """`native`: sequences decoded together; the static KV cache holds this many x max_model_len
     (allocated as needed, in power-of-two batch buckets). Larger requests run in chunks."""
@@ -182,6 +206,9 @@ class RolloutConfig:
         _check(self.top_k == -1 or self.top_k > 0, "top_k", self.top_k, "-1 (off) or > 0")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
                self.gpu_memory_utilization, "a value in (0, 1]")
+        _non_negative(self, "seed")
+        _check(self.max_new_tokens <= self.max_model_len, "max_new_tokens", self.max_new_tokens,
+               f"a value <= max_model_len ({self.max_model_len})")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -219,8 +246,9 @@ class AlgorithmConfig:
     normalize_std: bool = True
     """GRPO: divide group-centred rewards by the group std."""
     clip_low: float = 0.2
+    """PPO clip: the lower ratio bound is 1 - clip_low, in (0, 1)."""
     clip_high: float = 0.28
-    """Clip-higher: the upper ratio bound is 1 + clip_high."""
+    """Clip-higher: the upper ratio bound is 1 + clip_high, in (0, 1)."""
     loss_agg: Literal["token", "sequence"] = "token"
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k3"] = "k3"
@@ -247,7 +275,8 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "prompts_per_step")
-        _non_negative(self, "clip_low", "clip_high", "kl_coef", "entropy_coef", "max_staleness")
+        _open_unit(self, "clip_low", "clip_high")
+        _non_negative(self, "kl_coef", "entropy_coef", "max_staleness")
         if self.partial_tokens is not None:
             _positive(self, "partial_tokens")
         if self.tis_cap is not None:
@@ -284,10 +313,11 @@ class EvalConfig:
     num_prompts: int = 200
     pass_k: int = 4
     pass_k_temperature: float = 1.0
+    """Sampling temperature of the pass@k samples (>= 0)."""
     at_start: bool = True
 
     def __post_init__(self) -> None:
-        _non_negative(self, "every")
+        _non_negative(self, "every", "pass_k_temperature")
         _positive(self, "num_prompts", "pass_k")
 
 
@@ -419,6 +449,7 @@ class Config:
     output_dir: str = "checkpoints"
     """Runs live in `output_dir/name`."""
     seed: int = 0
+    """Seed of the run's data (synthetic task, eval split, prompt sampler), trainer and SFT; >= 0."""
     num_steps: int = 20
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -435,7 +466,7 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     def __post_init__(self) -> None:
-        _non_negative(self, "num_steps")
+        _non_negative(self, "num_steps", "seed")
         _check(bool(self.name) and "/" not in self.name, "name", self.name,
                "a non-empty name without '/'")
         pt = self.algorithm.partial_tokens

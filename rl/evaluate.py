@@ -8,6 +8,9 @@ from rl.rollout.base import SamplingParams
 
 def evaluate(runtime, prompt_ids: list[list[int]], examples: list[Example], rewards: RewardComputer,
              tokenizer, max_new_tokens: int, pass_k: int, temperature: float, seed: int) -> dict:
+    """Eval metrics; {} without examples (evaluation off: nothing to score, no 0/0 accuracy)."""
+    if not examples:
+        return {}
     greedy = runtime.generate(prompt_ids, SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1,
                                                          max_new_tokens=max_new_tokens, seed=seed), seed)
     texts = [s[0].text for s in greedy]

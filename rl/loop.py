@@ -54,7 +54,7 @@ def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
                        warm_start_accuracy=state.warm_start_accuracy)
     if state.step == 0 and cfg.eval.at_start and state.warm_start_accuracy is None:
         metrics = ctx.evaluate(step=0)
-        state.warm_start_accuracy = result.warm_start_accuracy = metrics["eval/pass1"]
+        state.warm_start_accuracy = result.warm_start_accuracy = metrics.get("eval/pass1")
         ctx.log(0, metrics)
     sampling = SamplingParams(n=cfg.rollout.n_samples, temperature=cfg.rollout.temperature,
                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,

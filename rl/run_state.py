@@ -18,7 +18,7 @@ import yaml
 
 from rl.checkpoint import CheckpointManager
 from rl.config import Config, ConfigError, save_config, to_dict
-from rl.data.datasets import build_datasets, format_prompt
+from rl.data.datasets import build_datasets, prompt_ids
 from rl.data.sampler import PromptSampler
 from rl.evaluate import evaluate
 from rl.metrics.tensorboard import MetricsLogger
@@ -111,14 +111,8 @@ class RunContext:
         """Rollout batches generated ahead of their step, restored from the checkpoint."""
 
     def _tokenize(self, examples) -> list[list[int]]:
-        out = []
-        for ex in examples:
-            text = format_prompt(ex, self.tokenizer, self.cfg.data)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if self.tokenizer.bos_token_id is not None:
-                ids = [self.tokenizer.bos_token_id] + ids
-            out.append(ids[-self.cfg.data.max_prompt_tokens:])
-        return out
+        keep = self.cfg.data.max_prompt_tokens
+        return [prompt_ids(ex, self.tokenizer, self.cfg.data)[-keep:] for ex in examples]
 
     # ---- startup ---------------------------------------------------------------------------
     def start(self, resume: bool, force: bool) -> None:

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any
 
 from rl.config import ConfigError, DataConfig
-from rl.data.example import Example
+from rl.data.example import DataError, Example
 from rl.data.files import load_examples
 from rl.data.synthetic import make_synthetic
 
@@ -14,7 +15,8 @@ log = logging.getLogger(__name__)
 
 def build_datasets(cfg: DataConfig, seed: int) -> tuple[list[Example], list[Example]]:
     """(train, eval) examples. Synthetic: generated from `seed`, disjoint. File: `train_path` and
-    `eval_path` (eval is empty, with a warning, when `eval_path` is unset).
+    `eval_path`; without `eval_path`, `eval_fraction` of train_path's prompts held out
+    (`split_eval`), or no eval set when the fraction is 0 (`eval_note` says which).
 
     Raises DataError for malformed files, ConfigError for impossible synthetic settings.
     """
@@ -24,10 +26,51 @@ def build_datasets(cfg: DataConfig, seed: int) -> tuple[list[Example], list[Exam
     keys = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                 answer_format=cfg.answer_format)
     train = load_examples(cfg.train_path, **keys)
-    if cfg.eval_path is None:
-        log.warning("data.eval_path is not set: the eval set is empty")
+    if cfg.eval_path is not None:
+        return train, load_examples(cfg.eval_path, **keys)
+    if cfg.eval_fraction == 0:
+        log.info(eval_note(cfg, seed))
         return train, []
-    return train, load_examples(cfg.eval_path, **keys)
+    train, evals = split_eval(train, cfg.eval_fraction, seed, cfg.train_path)
+    log.info("%s: %d train and %d eval examples", eval_note(cfg, seed), len(train), len(evals))
+    return train, evals
+
+
+def split_eval(examples: list[Example], fraction: float, seed: int,
+               path: str = "data.train_path") -> tuple[list[Example], list[Example]]:
+    """(train, eval): `fraction` of the distinct prompts (at least one) go to eval, chosen by a
+    shuffle seeded from `seed`; both keep file order. Rows that repeat a prompt stay with it, so
+    no eval prompt is trained on. DataError when fewer than two distinct prompts exist."""
+    prompts = list(dict.fromkeys(ex.prompt for ex in examples))
+    if len(prompts) < 2:
+        raise DataError(f"{path}: holds {len(prompts)} distinct prompt(s), expected at least 2 to "
+                        "hold some out for evaluation (set data.eval_path, or data.eval_fraction=0 "
+                        "to run without evaluation)")
+    num_eval = min(max(1, round(fraction * len(prompts))), len(prompts) - 1)
+    # A string seed is hashed with SHA-512 by `random`, so the split is stable across processes.
+    random.Random(f"eval-split:{seed}").shuffle(prompts)
+    held_out = set(prompts[:num_eval])
+    return ([ex for ex in examples if ex.prompt not in held_out],
+            [ex for ex in examples if ex.prompt in held_out])
+
+
+def eval_note(cfg: DataConfig, seed: int) -> str | None:
+    """One line saying where the eval set of a file source comes from when `eval_path` is unset
+    (None otherwise): a held-out share of train_path, or no evaluation at all."""
+    if cfg.source != "file" or cfg.eval_path is not None:
+        return None
+    if cfg.eval_fraction == 0:
+        return ("data.eval_path is not set and data.eval_fraction is 0: evaluation is off "
+                "(no held-out accuracy)")
+    return (f"data.eval_path is not set: holding out {cfg.eval_fraction:g} of the prompts of "
+            f"{cfg.train_path} as the eval set (data.eval_fraction, split by seed {seed})")
+
+
+def prompt_ids(example: Example, tokenizer: Any, cfg: DataConfig) -> list[int]:
+    """The prompt's token ids as the policy sees them (formatted, BOS first when the tokenizer has
+    one), untruncated; the run keeps the last `cfg.max_prompt_tokens` of them."""
+    ids = tokenizer(format_prompt(example, tokenizer, cfg), add_special_tokens=False)["input_ids"]
+    return ids if tokenizer.bos_token_id is None else [tokenizer.bos_token_id] + ids
 
 
 def format_prompt(example: Example, tokenizer: Any, cfg: DataConfig) -> str:

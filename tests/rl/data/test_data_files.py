@@ -107,5 +107,6 @@ def test_build_datasets_from_files(tmp_path):
     cfg = DataConfig(source="file", train_path=str(train), eval_path=str(evals))
     tr, ev = build_datasets(cfg, seed=0)
     assert [(e.prompt, e.answer) for e in tr + ev] == [("a", "1"), ("b", "2")]
-    tr, ev = build_datasets(DataConfig(source="file", train_path=str(train)), seed=0)
+    tr, ev = build_datasets(DataConfig(source="file", train_path=str(train), eval_fraction=0),
+                            seed=0)
     assert len(tr) == 1 and ev == []

@@ -1,0 +1,147 @@
+"""What `launch.submit` refuses on the submitting host before anything starts: a resume with a
+config that differs from the run directory's, and malformed data. Through the command line, as a
+user runs it; each refusal must come before Ray, engines or sbatch, so these take seconds."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl.config import load_config, save_config
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL = str(ROOT / "configs" / "local.yaml")
+
+
+def submit(*args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "launch.submit", LOCAL, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def assert_refused_in_one_line(proc, *needles):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def saved_run(tmp_path, *overrides):
+    """A run directory holding the config.yaml a run of local.yaml with `overrides` wrote."""
+    cfg = load_config(LOCAL, [f"output_dir={tmp_path}", "name=r", *overrides])
+    cfg.run_dir.mkdir(parents=True)
+    save_config(cfg, cfg.run_dir / "config.yaml")
+    return cfg.run_dir
+
+
+@pytest.mark.parametrize("kind", ["local", "slurm"])
+def test_resume_with_a_different_config_is_refused_before_anything_starts(tmp_path, kind):
+    run_dir = saved_run(tmp_path, f"cluster.kind={kind}")
+    proc = submit(f"output_dir={tmp_path}", "name=r", f"cluster.kind={kind}",
+                  "algorithm.clip_low=0.3", "trainer.lr=1e-3", "num_steps=3")
+    assert_refused_in_one_line(proc, f"{run_dir}/config.yaml: refusing to resume",
+                               "algorithm.clip_low: 0.2 -> 0.3", "trainer.lr: 0.0003 -> 0.001",
+                               "--force", "--no-resume")
+    assert "num_steps" not in proc.stderr  # RESUME_IGNORED: changing it is a normal resume
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]  # no job, no submitit
+
+
+def write_jsonl(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+MALFORMED = [
+    ('{"question": "1+1=", "answer": 4', "invalid JSON"),
+    ('{"question": "1+1=", "solution": "2"}', "missing key 'answer'"),
+    ('{"question": "", "answer": "2"}', "key 'question': got '', expected a non-empty string"),
+]
+
+
+@pytest.mark.parametrize("row, what", MALFORMED)
+def test_malformed_row_is_named_by_file_and_line(tmp_path, row, what):
+    bad = write_jsonl(tmp_path / "train.jsonl", ['{"question": "2+2=", "answer": "4"}', "", row])
+    proc = submit(f"output_dir={tmp_path}", "data.source=file", f"data.train_path={bad}")
+    assert_refused_in_one_line(proc, f"data error: {bad}:3: {what}")
+    assert not (tmp_path / "demo").exists()  # the run directory was never made
+
+
+def test_eval_split_is_checked_too_and_slurm_is_refused_before_submission(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", ['{"question": "2+2=", "answer": "4"}'])
+    bad = write_jsonl(tmp_path / "eval.jsonl", ['{"question": "3+3=", "answer": "6"}', "[1, 2]"])
+    proc = submit(f"output_dir={tmp_path}", "cluster.kind=slurm", "--no-plan-check",
+                  "data.source=file", f"data.train_path={train}", f"data.eval_path={bad}")
+    assert_refused_in_one_line(proc, f"{bad}:2: got list [1, 2], expected a JSON object")
+
+
+def test_unreadable_file_suggests_no_data_check(tmp_path):
+    proc = submit(f"output_dir={tmp_path}", "data.source=file",
+                  f"data.train_path={tmp_path}/nowhere.jsonl")
+    assert_refused_in_one_line(proc, "nowhere.jsonl: no such file", "--no-data-check")
+
+
+# ---- in process: what passes the checks reaches the launcher --------------------------------
+@pytest.fixture
+def launched(monkeypatch):
+    """main()'s call of run_local, recorded instead of starting a job (Ray, vLLM, DeepSpeed)."""
+    import launch.submit
+    calls = []
+    monkeypatch.setattr(launch.submit, "run_local", lambda cfg, args: calls.append((cfg, args)) or 0)
+    return calls
+
+
+def main(*args):
+    from launch.submit import main as submit_main
+    return submit_main([LOCAL, *args])
+
+
+def test_force_and_no_resume_pass_the_resume_check(tmp_path, launched, capsys):
+    saved_run(tmp_path)
+    changed = [f"output_dir={tmp_path}", "name=r", "algorithm.clip_high=0.3"]
+    with pytest.raises(SystemExit) as e:
+        main(*changed)
+    assert e.value.code == 2 and not launched
+    assert main(*changed, "--force") == 0
+    assert "resuming despite config differences (--force): algorithm.clip_high" in capsys.readouterr().out
+    assert main(*changed, "--no-resume") == 0
+    assert [args.force for _, args in launched] == [True, False]
+
+
+def test_no_data_check_skips_reading_the_files(tmp_path, launched):
+    missing = [f"output_dir={tmp_path}", "data.source=file", f"data.train_path={tmp_path}/x.jsonl"]
+    with pytest.raises(SystemExit):
+        main(*missing)
+    assert main(*missing, "--no-data-check") == 0
+    assert launched[0][0].data.train_path == f"{tmp_path}/x.jsonl"
+
+
+def test_prompt_longer_than_max_prompt_tokens_is_refused(tmp_path, launched, capsys):
+    # The presets' character tokenizer: one token per character, plus BOS.
+    rows = [json.dumps({"question": "1+1=", "answer": "2"}),
+            json.dumps({"question": "9" * 10 + "=", "answer": "9"}),
+            json.dumps({"question": "8" * 12 + "=", "answer": "8"})]
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    base = [f"output_dir={tmp_path}", "data.source=file", f"data.train_path={path}",
+            "data.eval_fraction=0"]
+    with pytest.raises(SystemExit) as e:
+        main(*base, "data.max_prompt_tokens=11")
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and not launched
+    assert err == (f"data error: {path}:2: prompt is 12 tokens with the run's tokenizer, expected "
+                   "at most data.max_prompt_tokens (11) (1 more prompts are too long); raise "
+                   "data.max_prompt_tokens (and rollout.max_model_len) or shorten the prompt")
+    assert main(*base, "data.max_prompt_tokens=14") == 0
+
+
+def test_eval_note_is_printed_before_the_run(tmp_path, launched, capsys):
+    path = write_jsonl(tmp_path / "train.jsonl",
+                       [json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) for i in range(40)])
+    assert main(f"output_dir={tmp_path}", "data.source=file", f"data.train_path={path}") == 0
+    assert f"holding out 0.05 of the prompts of {path} as the eval set" in capsys.readouterr().out
+    assert main(f"output_dir={tmp_path}", "data.source=file", f"data.train_path={path}",
+                "data.eval_fraction=0") == 0
+    assert "evaluation is off" in capsys.readouterr().out
