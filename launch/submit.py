@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from launch.checks import check_data_or_exit, check_resume_or_exit
+from launch.rundir import archive_run_dir
 from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
                            split_config_args)
 from rl.signals import EXIT_REQUEUE
@@ -41,7 +42,7 @@ def run_local(cfg, args) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     executor = submitit.LocalExecutor(folder=str(folder))
     executor.update_parameters(timeout_min=24 * 60)
-    job = executor.submit(run_job, cfg, not args.no_resume, args.force)
+    job = executor.submit(run_job, cfg, force=args.force)  # resumes whatever the run dir holds
     print(f"local job {job.job_id} started; logs: {job.paths.stdout}", flush=True)
 
     def forward(signum, _frame):  # Ctrl-C / TERM: ask the job to checkpoint and stop
@@ -91,7 +92,8 @@ def _stream_errors(path: Path, pos: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = config_parser(__doc__)
-    p.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start over: move an existing run directory aside (RUN_DIR.old-TIME)")
     p.add_argument("--force", action="store_true", help="resume despite config differences")
     p.add_argument("--no-plan-check", action="store_true", help="skip the memory plan check")
     p.add_argument("--no-data-check", action="store_true",
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     from rl.data.datasets import eval_note
     if note := eval_note(cfg.data, cfg.seed):
         print(note, flush=True)
+    if args.no_resume and (old := archive_run_dir(cfg.run_dir)) is not None:
+        print(f"--no-resume: moved the previous run to {old}; starting over", flush=True)
     if cfg.cluster.kind == "local":
         return run_local(cfg, args)
     try:

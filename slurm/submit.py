@@ -40,7 +40,9 @@ def submit_slurm(cfg: Config, args: argparse.Namespace) -> int:
     from slurm.job import slurm_main
 
     executor = make_executor(cfg)
-    job = executor.submit(slurm_main, cfg, not args.no_resume, args.force)
+    # Always resume: `--no-resume` moved the old run aside before this (launch.rundir), so the
+    # first life starts at step 0 and every requeued life resumes from its own checkpoints.
+    job = executor.submit(slurm_main, cfg, force=args.force)
     run_dir = cfg.run_dir.resolve()
     record = {"job_id": job.job_id, "submitted_at": time.time(), "folder": str(executor.folder),
               "stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)}

@@ -145,3 +145,50 @@ def test_eval_note_is_printed_before_the_run(tmp_path, launched, capsys):
     assert main(f"output_dir={tmp_path}", "data.source=file", f"data.train_path={path}",
                 "data.eval_fraction=0") == 0
     assert "evaluation is off" in capsys.readouterr().out
+
+
+def test_no_resume_moves_the_old_run_aside_and_the_job_resumes(tmp_path, launched, capsys):
+    """--no-resume starts over by moving the old run directory away (nothing deleted); the job is
+    then asked to resume, so every requeued life of it resumes from its own checkpoints."""
+    run_dir = saved_run(tmp_path)
+    (run_dir / "checkpoints" / "step_000004").mkdir(parents=True)
+    (run_dir / "trajectories.h5").write_bytes(b"old")
+    assert main(f"output_dir={tmp_path}", "name=r", "--no-resume") == 0
+    old = [p for p in tmp_path.iterdir() if p.name.startswith("r.old-")]
+    assert len(old) == 1 and (old[0] / "trajectories.h5").read_bytes() == b"old"
+    assert (old[0] / "checkpoints" / "step_000004").is_dir()
+    assert not run_dir.exists()
+    assert f"--no-resume: moved the previous run to {old[0]}" in capsys.readouterr().out
+    # Twice in the same second: a numbered name, nothing overwritten; an empty dir stays.
+    from launch.rundir import archive_run_dir
+    moved = [archive_run_dir(saved_run(tmp_path / "b"), now=0.0) for _ in range(2)]
+    assert [p.name for p in moved] == ["r.old-19700101-000000", "r.old-19700101-000000-2"]
+    (tmp_path / "b" / "r").mkdir()
+    assert archive_run_dir(tmp_path / "b" / "r") is None
+
+
+def test_the_job_is_always_asked_to_resume(tmp_path, monkeypatch):
+    """What the launcher pickles for the job never says "do not resume" (on Slurm it is reused by
+    every requeued life)."""
+    import submitit
+
+    import launch.submit
+    submitted = []
+
+    class Executor:
+        def __init__(self, folder):
+            pass
+
+        def update_parameters(self, **kw):
+            pass
+
+        def submit(self, fn, *args, **kwargs):
+            submitted.append((args, kwargs))
+            raise SystemExit(0)
+
+    monkeypatch.setattr(submitit, "LocalExecutor", Executor)
+    saved_run(tmp_path)
+    with pytest.raises(SystemExit):
+        launch.submit.main([LOCAL, f"output_dir={tmp_path}", "name=r", "--no-resume"])
+    (args, kwargs), = submitted
+    assert args[1:] == () and kwargs == {"force": False}
