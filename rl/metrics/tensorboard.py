@@ -71,7 +71,9 @@ METRIC_TAGS: dict[str, str] = {
                     "by max_staleness >= 1 count only where they outlast it) [s].",
     "time/reward": "Wall time of reward computation [s].",
     "time/train": "Wall time of log-probs + optimizer steps [s].",
-    "time/sync": "Wall time of the weight update, including pause/resume of the engines [s].",
+    "time/sync": ("Wall time of the weight update: gather, bucket, send, load in every engine, "
+                  "version check (and the log-prob probe with sync.check_logprobs) [s]. Engines "
+                  "serve one call at a time, so none generates while its weights load."),
     "time/eval": "Wall time of evaluation, on steps that evaluate [s].",
     "eval/pass1": "Greedy accuracy on the eval set (pass@1).",
     "eval/mean_reward": "Mean reward of the greedy eval samples.",
