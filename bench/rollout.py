@@ -79,8 +79,8 @@ def run_hf(model, prompts, new: int) -> float:
 def main() -> None:
     from rl.config import RolloutConfig
     from rl.models.name_maps import full_state_for_engine
-    from rl.rollout.native_engine import NativeEngine
-    from rl.rollout.native_model import Shape
+    from rl.rollout.native.engine import NativeEngine
+    from rl.rollout.native.model import Shape
 
     args = parse_args(__doc__.splitlines()[0], lambda p: (
         p.add_argument("--batches", default="64,256"), p.add_argument("--new", default="128,1024"),

@@ -27,7 +27,7 @@ from bench.common import (QWEN3_06B, TINY, device_info, hf_config, measure_bf16_
 def main() -> None:
     from rl.cluster.groups import free_port
     from rl.config import AlgorithmConfig, SyncConfig, TrainerConfig
-    from rl.rollout.native_model import Shape
+    from rl.rollout.native.model import Shape
     from rl.trainer.worker import RankInfo, TrainerWorker
 
     args = parse_args(__doc__.splitlines()[0], lambda p: (

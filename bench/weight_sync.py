@@ -104,7 +104,7 @@ class Receiver:
 
     def __init__(self, fields: dict, device: str):
         from rl.config import RolloutConfig
-        from rl.rollout.native_engine import NativeEngine
+        from rl.rollout.native.engine import NativeEngine
 
         cfg = RolloutConfig(engine="native", quantization="fp8", max_model_len=256)
         self.engine = NativeEngine.from_config(hf_config("qwen3", fields), cfg, device=device)

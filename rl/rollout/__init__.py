@@ -26,6 +26,6 @@ def create_engine(kind: str, model_dir: str | Path, cfg: RolloutConfig, *, dtype
         from rl.rollout.vllm_engine import VLLMEngine
         return VLLMEngine(model_dir, cfg, dtype=dtype, device=device)
     if kind == "native":
-        from rl.rollout.native_engine import NativeEngine
+        from rl.rollout.native.engine import NativeEngine
         return NativeEngine(model_dir, cfg, dtype=dtype, device=device)
     raise ConfigError(f"rollout.engine: got {kind!r}, expected one of 'vllm', 'hf', 'native'")

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 
 def engine(model_dir, **kw):
-    from rl.rollout.native_engine import NativeEngine
+    from rl.rollout.native.engine import NativeEngine
     cfg = RolloutConfig(engine="native", max_model_len=256, max_batch_size=64, **kw)
     return NativeEngine(model_dir, cfg, dtype="bfloat16", device="cuda")
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from rl.rollout.native_engine import NativeEngine
+from rl.rollout.native.engine import NativeEngine
 
 
 def two_gpus() -> bool:

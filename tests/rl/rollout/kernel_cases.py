@@ -2,7 +2,7 @@
 
 On CPU `test_native_kernels.py` runs this module in a subprocess with TRITON_INTERPRET=1 (the
 interpreter is chosen when a kernel is defined, so it must be set before
-`rl.rollout.native_kernels` is first imported), with fp16 activations: the interpreter
+`rl.rollout.native.kernels` is first imported), with fp16 activations: the interpreter
 mishandles bf16 dots (numpy has no bf16). The GPU test calls `run_cases("cuda", bf16)`.
 Prints one line per case and raises on the first mismatch.
 """
@@ -28,7 +28,7 @@ def close(name: str, a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
 def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
     from rl.quant.block_fp8 import quantize_weight_block
     from rl.quant.fast_quant import _quantize_triton
-    from rl.rollout import native_kernels as K
+    from rl.rollout.native import kernels as K
 
     DT = dtype
     # bf16 rounds 8x coarser than fp16: looser bounds for the same kernels.

@@ -32,7 +32,7 @@ def test_fp8_plan_carries_bytes_and_scales_and_keeps_the_keep_list(hf_engine):
 
 def test_fp8_send_to_native_and_hf_engines(model_dir, hf_engine):
     from rl.rollout.hf_engine import HFEngine
-    from rl.rollout.native_engine import NativeEngine
+    from rl.rollout.native.engine import NativeEngine
 
     cfg = RolloutConfig(engine="native", max_model_len=64, quantization="fp8")
     native = NativeEngine(model_dir, cfg, dtype="float32", device="cpu")

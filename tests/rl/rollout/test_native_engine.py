@@ -7,7 +7,7 @@ from rl.config import ConfigError, RolloutConfig, load_config
 from rl.quant.wire import pack_fp8_for_wire, scale_name
 from rl.rollout import create_engine
 from rl.rollout.base import RolloutEngine, SamplingParams
-from rl.rollout.native_engine import NativeEngine, sample_tokens
+from rl.rollout.native.engine import NativeEngine, sample_tokens
 from tests.rl.rollout.checks import assert_generated
 
 

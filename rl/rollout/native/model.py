@@ -8,7 +8,7 @@ is j - start[b] (what HF computes from the attention mask). `decode_step` reads 
 device tensor and never syncs with the host, so it can be captured in a CUDA graph.
 
 Numerics: norms, rotary and softmax in fp32; GEMMs in the model dtype (bf16 on GPU, fp32 on CPU)
-with fp32 accumulation; FP8 weights are dequantised inside the GEMM (see `native_kernels`).
+with fp32 accumulation; FP8 weights are dequantised inside the GEMM (see `rl.rollout.native.kernels`).
 Embeddings, LM head, router and norms stay in the model dtype.
 
 Leaves out: sliding-window attention, attention biases, rope scaling (raise at build time).
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from rl.quant.policy import KeepPolicy, as_policy
-from rl.rollout import native_kernels as K
-from rl.rollout.native_weights import LinearSlot, Target, resolve_name
+from rl.rollout.native import kernels as K
+from rl.rollout.native.weights import LinearSlot, Target, resolve_name
 
 SUPPORTED = ("qwen3", "qwen3_moe")
 # Above this many rows an FP8 GEMM dequantises the weight and calls cuBLAS (prefill is

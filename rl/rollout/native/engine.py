@@ -1,6 +1,6 @@
 """The `native` rollout engine: our own Qwen3 / Qwen3-MoE decoder for GPUs without vLLM.
 
-`rl.rollout.native_model` holds the weights (block FP8 with `rollout.quantization: fp8`), a static
+`rl.rollout.native.model` holds the weights (block FP8 with `rollout.quantization: fp8`), a static
 KV cache and the forward passes; this module batches requests, replays decode steps from CUDA
 graphs, samples, and takes weight updates from the sync protocol.
 
@@ -31,10 +31,10 @@ from rl.rollout.base import (
     decode_response, has_tokenizer,
     read_eos_ids, resolve_device, resolve_dtype,
 )
-from rl.rollout.native_kernels import triton_available
-from rl.rollout.native_model import NativeQwen3, Shape
-from rl.rollout.native_sampling import sample_tokens
-from rl.rollout.native_weights import IncompleteWeightsError
+from rl.rollout.native.kernels import triton_available
+from rl.rollout.native.model import NativeQwen3, Shape
+from rl.rollout.native.sampling import sample_tokens
+from rl.rollout.native.weights import IncompleteWeightsError
 from rl.rollout.weights import StreamStats, pair_wire, receive_stream
 
 log = logging.getLogger(__name__)
