@@ -17,6 +17,7 @@ from rl.cluster.groups import (GroupSpec, bundle_address, bundle_nodes, free_por
                                start_proc_group, start_ray_group)
 from rl.config import Config
 from rl.rollout.base import Sample, SamplingParams
+from rl.sync.transport import resolve_backend
 from rl.trainer.worker import RankInfo, TrainerWorker
 
 log = logging.getLogger(__name__)
@@ -195,9 +196,7 @@ class Runtime:
         host, port = self.trainers[0].call("sync_address").result()
         sizes = wait_all([e.call("num_sync_ranks") for e in self.engines])
         world = 1 + sum(sizes)
-        backend = self.cfg.sync.backend
-        if backend == "auto":
-            backend = "nccl" if self.placement.engine_device != "cpu" else "gloo"
+        backend = resolve_backend(self.cfg.sync.backend, self.placement.engine_device)
         futures = [self.trainers[0].call("init_weight_sync", host, port, world)]
         first = 1
         for e, size in zip(self.engines, sizes):

@@ -37,6 +37,13 @@ class WeightGroup:
     timeout_s: float
 
 
+def resolve_backend(backend: str, device: str | torch.device) -> str:
+    """`sync.backend` for a group on `device`: `auto` is NCCL on GPUs, gloo on CPUs."""
+    if backend != "auto":
+        return backend
+    return "gloo" if torch.device(device).type == "cpu" else "nccl"
+
+
 def make_group(host: str, port: int, world_size: int, rank: int, backend: str = "gloo",
                timeout_s: float = 300.0, device: str | torch.device = "cpu") -> WeightGroup:
     """Rendezvous through a TCPStore hosted by rank 0; raises SyncError on timeout."""

@@ -152,9 +152,7 @@ class WeightSender:
 
     def connect(self, host: str, port: int, world_size: int) -> None:
         if self.is_sender:
-            backend = self.sync.backend
-            if backend == "auto":
-                backend = "nccl" if self.device.type == "cuda" else "gloo"
+            backend = transport.resolve_backend(self.sync.backend, self.device)
             self.group = transport.make_group(host, port, world_size, 0, backend,
                                               self.sync.timeout_s, self.device)
 

@@ -101,3 +101,9 @@ def test_fp8_pairs_never_straddle_buckets():
             if n.endswith("_scale_inv"):
                 assert n.removesuffix("_scale_inv") in names
     assert len(plan.buckets) > 2 and plan.num_tensors == len(specs)
+
+
+def test_auto_sync_backend_follows_the_receiving_device():
+    from rl.sync.transport import resolve_backend
+    assert [resolve_backend("auto", d) for d in ("cpu", "cuda", "cuda:1")] == ["gloo", "nccl", "nccl"]
+    assert resolve_backend("gloo", "cuda:0") == "gloo"
