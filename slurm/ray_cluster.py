@@ -36,8 +36,10 @@ import typing as tp
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TRAINER_RESOURCE = "trainer_node"
-ROLLOUT_RESOURCE = "rollout_node"
+from rl.cluster.groups import ROLLOUT_NODE, TRAINER_NODE
+
+TRAINER_RESOURCE = TRAINER_NODE  # the labels rl.cluster.groups places actors by
+ROLLOUT_RESOURCE = ROLLOUT_NODE
 GROUP_RESOURCES = (TRAINER_RESOURCE, ROLLOUT_RESOURCE)  # index = het group
 TOKEN_FILE = "ray_auth_token"
 PORTS_PER_NODE = 200  # offsets 0..9 fixed services, 100..199 worker ports

@@ -16,6 +16,11 @@ from rl.cluster.actors import ProcActor, RayActor
 
 log = logging.getLogger(__name__)
 
+# The custom Ray node resources that pin each group to its own nodes (value 1 per node). Whoever
+# starts Ray (launch.job locally, slurm.ray_cluster in a job) labels the nodes with these.
+TRAINER_NODE = "trainer_node"
+ROLLOUT_NODE = "rollout_node"
+
 
 @dataclass(frozen=True, slots=True)
 class GroupSpec:
@@ -49,9 +54,9 @@ def make_layout(num_trainers: int, num_engines: int, gpus_per_trainer: float,
         if gpus:
             b["GPU"] = gpus
         return b
-    return (GroupSpec("trainer", num_trainers, bundle("trainer_node", gpus_per_trainer),
+    return (GroupSpec("trainer", num_trainers, bundle(TRAINER_NODE, gpus_per_trainer),
                       spread_strategy(num_trainers, trainer_nodes)),
-            GroupSpec("rollout", num_engines, bundle("rollout_node", gpus_per_engine),
+            GroupSpec("rollout", num_engines, bundle(ROLLOUT_NODE, gpus_per_engine),
                       spread_strategy(num_engines, rollout_nodes)))
 
 
