@@ -1,7 +1,7 @@
 """Placing the trainer group and the rollout group: Ray placement groups, or plain processes.
 
-`make_layout` is the one pure function that decides who goes where; `start_groups` turns it into
-actors. While a placement group waits, what is missing is logged every few seconds instead of
+`make_layout` is the one pure function that decides who goes where; `start_ray_group` (a Ray
+placement group per worker group) or `start_proc_group` (plain processes) turns it into actors. While a placement group waits, what is missing is logged every few seconds instead of
 hanging silently.
 """
 from __future__ import annotations
