@@ -147,9 +147,10 @@ class RewardConfig:
     response_format: Literal["auto", "number", "boxed", "gsm8k"] = "auto"
     """Form the format reward expects: the whole response a bare number (`number`, the synthetic
     task), a final `\\boxed{..}`, a final `#### answer` line, or any of these (`auto`)."""
-    verify_timeout_s: int = 5
-    """math-verify's per-parse/compare timeout (seconds) when rewards run in the main thread; it is
-    signal-based, so in other threads it is off (0 = off everywhere)."""
+    verify_timeout_s: float = 5.0
+    """Time limit for math-verify on one response (seconds, 0 = off); a response that takes
+    longer scores 0 and counts in `reward/failures`. Signal-based: enforced only where rewards
+    run in the main thread."""
 
     def __post_init__(self) -> None:
         builtin = self.function in ("math", "exact")
