@@ -1,5 +1,5 @@
 """Checks `launch.submit` makes on the submitting host before anything starts (no Ray, no engine,
-no allocation): the run directory's config on resume, and the data files.
+no allocation): the Slurm options, the run directory's config on resume, and the data files.
 
 Each failure is one line on stderr and exit status 2 (`launch.common.fail`). The job repeats the
 resume check (`rl.run_state.open_run`) as a safety net; the data it reads is the same.
@@ -12,6 +12,19 @@ import yaml
 
 from launch.common import fail, quiet_libraries
 from rl.config import Config, ConfigError, to_dict
+
+
+def check_slurm_params_or_exit(cfg: Config) -> None:
+    """Exit 2 when `cluster.slurm_params` holds a key that the job's executor would refuse,
+    listing the valid ones (`slurm.params.validate_slurm_params`, which `slurm.executor` uses).
+    Only for `cluster.kind: slurm`; a local run ignores these options."""
+    if cfg.cluster.kind != "slurm":
+        return
+    from slurm.params import SlurmParamError, validate_slurm_params
+    try:
+        validate_slurm_params(cfg.cluster.slurm_params)
+    except SlurmParamError as e:
+        fail(f"config error: cluster.slurm_params: {e}")
 
 
 def check_resume_or_exit(cfg: Config, force: bool) -> None:

@@ -4,12 +4,13 @@ Prints, per GPU of the trainer group and of the rollout group, what the model's 
 gradients, optimizer state, activations, FP8/BF16 weights and KV cache take, a verdict per group
 and suggestions. Reads the run config and the model's config.json only (never weights), so a
 284B model plans in well under a second on a laptop. Exit status: 0 fits, 1 does not fit,
-2 config error (one line on stderr).
+2 config error (one line on stderr), unknown `cluster.slurm_params` included.
 """
 from __future__ import annotations
 
 import sys
 
+from launch.checks import check_slurm_params_or_exit
 from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
                            split_config_args)
 from rl.config import Config, ConfigError
@@ -35,6 +36,7 @@ def check_or_exit(cfg: Config, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = split_config_args(config_parser(__doc__).parse_args(argv))
     cfg = load_or_exit(args.config_files, args.overrides)
+    check_slurm_params_or_exit(cfg)  # the job would refuse them: so does the plan
     verdict = _verdict(cfg, " ".join([args.config, *args.overrides]))
     print(verdict.report)
     return 0 if verdict.fits else 1

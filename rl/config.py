@@ -85,12 +85,18 @@ class ModelConfig:
 @dataclass(kw_only=True, slots=True)
 class SyntheticConfig:
     num_train: int = 4000
+    """Distinct training prompts (`a+b=` problems); num_train + num_eval may not exceed the number
+    of distinct problems the settings allow."""
     num_eval: int = 200
+    """Distinct held-out prompts, disjoint from the training ones."""
     min_value: int = 0
+    """Smallest operand value (see max_value)."""
     max_value: int = 99
     """Operands are drawn uniformly from [min_value, max_value]."""
     num_operands: int = 2
+    """Operands per problem (>= 1): 2 gives `a+b=`, 3 gives `a+b-c=`."""
     operators: list[str] = field(default_factory=lambda: ["+", "-"])
+    """Operators between operands, drawn uniformly from the distinct entries: `+`, `-`, `*`."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_train", "num_eval", "num_operands")
@@ -104,6 +110,8 @@ class SyntheticConfig:
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     source: Literal["synthetic", "file"] = "synthetic"
+    """`synthetic`: generated arithmetic (`data.synthetic`); `file`: JSONL or Parquet rows from
+    `train_path` (and `eval_path`)."""
     train_path: str | None = None
     """JSONL or Parquet file of training prompts (source: file)."""
     eval_path: str | None = None
@@ -115,17 +123,22 @@ class DataConfig:
     so the splits are disjoint). The split is a pure function of the top-level `seed`. 0 = no
     held-out set: evaluation is off. Ignored when `eval_path` is set or source is synthetic."""
     prompt_key: str = "question"
+    """source: file: the row field that holds the prompt text."""
     answer_key: str = "answer"
+    """source: file: the row field that holds the reference answer (read by `answer_format`)."""
     answer_format: Literal["auto", "gsm8k", "boxed", "raw"] = "auto"
     """How to extract the reference answer: `#### 42` (gsm8k), `\\boxed{..}`, the raw field, or auto."""
     chat_template: bool = False
     """Wrap prompts with the tokenizer's chat template (instruct models)."""
     system_prompt: str | None = None
+    """System message before every prompt (needs chat_template: true); null = none."""
     max_prompt_tokens: int = 256
     """Prompt tokens (with the run's tokenizer, after the chat template) a row may hold; the
     submit-time data check refuses longer prompts (the job would keep only their end)."""
     shuffle: bool = True
+    """Draw training prompts in a fresh seeded order every epoch; false = the data's order."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    """The generated arithmetic task (source: synthetic)."""
 
     def __post_init__(self) -> None:
         _positive(self, "max_prompt_tokens")
@@ -147,9 +160,10 @@ class RewardConfig:
     response_format: Literal["auto", "number", "boxed", "gsm8k"] = "auto"
     """Form the format reward expects: the whole response a bare number (`number`, the synthetic
     task), a final `\\boxed{..}`, a final `#### answer` line, or any of these (`auto`)."""
-    verify_timeout_s: int = 5
-    """math-verify's per-parse/compare timeout (seconds) when rewards run in the main thread; it is
-    signal-based, so in other threads it is off (0 = off everywhere)."""
+    verify_timeout_s: float = 5.0
+    """Time limit for math-verify on one response (seconds, 0 = off); a response that takes
+    longer scores 0 and counts in `reward/failures`. Signal-based: enforced only where rewards
+    run in the main thread."""
 
     def __post_init__(self) -> None:
         builtin = self.function in ("math", "exact")
@@ -161,8 +175,14 @@ class RewardConfig:
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     engine: Literal["vllm", "hf", "native"] = "vllm"
+    """`vllm` (vLLM, weights reloaded in place), `hf` (transformers `generate`, the reference) or
+    `native` (our GPU engine: static KV cache, CUDA graphs, FP8 weights)."""
     num_engines: int = 1
+    """Rollout engine actors; a step's prompts are split evenly over them (engine i samples with
+    seed + i)."""
     tensor_parallel_size: int = 1
+    """GPUs per engine (vLLM tensor parallel); every one of its workers receives the weight
+    updates."""
     quantization: Literal["none", "fp8"] = "none"
     """`fp8` on GPU clusters (vLLM's FP8 path has no CPU kernel)."""
     n_samples: int = 8
@@ -170,16 +190,25 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature of the rollouts (>= 0; 0 = greedy)."""
     top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest set of tokens holding this much probability;
+    in (0, 1], 1 = off."""
     top_k: int = -1
+    """Sample among the k most likely tokens only; -1 = off."""
     max_new_tokens: int = 16
     """Response budget per sample; <= max_model_len (the context holds the prompt too)."""
     gpu_memory_utilization: float = 0.85
+    """vLLM on GPU: the share of the GPU's memory the engine takes (weights, activations, and the
+    rest as KV cache), in (0, 1]; the planner reads it too."""
     max_model_len: int = 512
     """The engine's context length (prompt + response)."""
     enforce_eager: bool = True
+    """vLLM: run the model eagerly (no CUDA graphs or torch.compile): faster start, slower
+    decode."""
     use_aiter: bool = False
     """ROCm only: turn on vLLM's AITER kernels (VLLM_ROCM_USE_AITER and friends)."""
     cpu_kvcache_gb: float = 1.0
+    """vLLM on CPU: KV-cache size [GiB]; the VLLM_CPU_KVCACHE_SPACE variable overrides it, with a
+    warning."""
     seed: int = 1234
     """Seed of the rollout sampling (>= 0): each step's sampling seed is a pure function of it
     and the step (`rl.pipeline.rollout_seed`); vLLM's engine seed too."""
@@ -214,21 +243,37 @@ class RolloutConfig:
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig:
     num_ranks: int = 2
+    """DeepSpeed trainer ranks (processes; one GPU each on a GPU machine)."""
     zero_stage: int = 3
+    """DeepSpeed ZeRO stage: 0 = none, 1 partitions optimizer state, 2 also gradients, 3 also
+    parameters."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto`: CUDA when a GPU is visible, else CPU; `cuda` fails without a GPU; `cpu` forces
+    CPU."""
     lr: float = 1e-5
+    """Peak AdamW learning rate (> 0)."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay (>= 0)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW's (beta1, beta2), each in [0, 1)."""
     warmup_steps: int = 0
+    """Optimizer steps of linear warmup from lr / warmup_steps up to lr; 0 = none."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warmup: `constant`, or `cosine` decay to min_lr_ratio x lr at the last optimizer step
+    of the run."""
     min_lr_ratio: float = 0.1
+    """`cosine`: the final learning rate as a fraction of lr, in [0, 1]."""
     grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (DeepSpeed `gradient_clipping`); 0 = off."""
     micro_batch_tokens: int = 4096
     """Token budget of one micro-batch (prompt + response tokens, padded)."""
     ppo_epochs: int = 1
+    """Passes over each rollout batch, each of num_mini_batches optimizer steps."""
     num_mini_batches: int = 1
     """Optimizer steps per PPO epoch; the rollout batch is split evenly."""
     torch_threads: int = 1
+    """torch threads of each trainer rank (`torch.set_num_threads`); also OMP_NUM_THREADS of every
+    trainer and engine process."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_ranks", "lr", "micro_batch_tokens", "ppo_epochs", "num_mini_batches",
@@ -243,6 +288,8 @@ class TrainerConfig:
 @dataclass(kw_only=True, slots=True)
 class AlgorithmConfig:
     prompts_per_step: int = 16
+    """Prompts sampled per step; a step's batch is prompts_per_step x rollout.n_samples
+    responses."""
     normalize_std: bool = True
     """GRPO: divide group-centred rewards by the group std."""
     clip_low: float = 0.2
@@ -250,9 +297,17 @@ class AlgorithmConfig:
     clip_high: float = 0.28
     """Clip-higher: the upper ratio bound is 1 + clip_high, in (0, 1)."""
     loss_agg: Literal["token", "sequence"] = "token"
+    """`token`: the loss is the mean over every valid token of the mini-batch (long answers weigh
+    more); `sequence`: the mean within each sequence, then over sequences."""
     kl_coef: float = 0.0
+    """Weight of the KL(policy || reference) penalty; the reference is the frozen starting
+    model. 0 = off (no reference model is loaded)."""
     kl_estimator: Literal["k1", "k3"] = "k3"
+    """Per-token KL estimate, with r = ref_logp - logp: `k1` = -r; `k3` = exp(r) - r - 1
+    (>= 0, lower variance)."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus subtracted from the loss; 0 = off (entropy is then not
+    computed)."""
     tis_cap: float | None = 2.0
     """Truncated importance sampling cap on exp(logp_trainer_old - logp_rollout); null = off."""
     max_staleness: int = 0
@@ -286,7 +341,11 @@ class AlgorithmConfig:
 @dataclass(kw_only=True, slots=True)
 class SyncConfig:
     bucket_mb: float = 64.0
+    """Weight-sync bucket size [MiB]: tensors are packed into buckets that are broadcast one after
+    another (a larger tensor gets a bucket of its own)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Weight-sync collectives: `gloo`, `nccl`, or `auto` = nccl when the engines are on GPUs, else
+    gloo."""
     wire_dtype: Literal["native", "fp8"] = "native"
     """`fp8`: quantise on send (block FP8 + scales on the wire, ~half of BF16's bytes); `native`:
     the trainer dtype on the wire, and an FP8 rollout engine (`native` with quantization fp8)
@@ -297,10 +356,13 @@ class SyncConfig:
     verify: bool = False
     """Checksum every bucket and fail loudly on mismatch."""
     timeout_s: float = 300.0
+    """Limit [s] on the weight-sync rendezvous and on each bucket's transfer; the driver allows a
+    whole update this plus 60 s. Past it: SyncError."""
     check_logprobs: bool = False
     """After every sync, score a fixed probe sequence on the trainer and every engine and fail if
     they differ by more than `check_logprobs_tol` (logged as `sync/logprob_max_diff`)."""
     check_logprobs_tol: float = 1e-3
+    """Largest |trainer - engine| log-prob allowed on the probe sequence (> 0)."""
 
     def __post_init__(self) -> None:
         _positive(self, "bucket_mb", "timeout_s", "check_logprobs_tol")
@@ -311,10 +373,13 @@ class EvalConfig:
     every: int = 5
     """Evaluate every N steps (0 = only before and after the run)."""
     num_prompts: int = 200
+    """Eval prompts used: the first N of the eval set."""
     pass_k: int = 4
+    """Samples per eval prompt for `eval/pass_k`; 1 = greedy pass@1 only."""
     pass_k_temperature: float = 1.0
     """Sampling temperature of the pass@k samples (>= 0)."""
     at_start: bool = True
+    """Evaluate the starting (warm-start) model before the first step (logged at step 0)."""
 
     def __post_init__(self) -> None:
         _non_negative(self, "every", "pass_k_temperature")
@@ -324,7 +389,11 @@ class EvalConfig:
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     every: int = 5
+    """Write a checkpoint every N steps; one is also written on a stop and at the end of the run
+    (0 = only then)."""
     keep_last: int = 2
+    """How many of the newest complete checkpoints retention keeps (> 0); older ones are deleted
+    after each save unless keep_every keeps them."""
     keep_every: int = 0
     """Also keep every N-th step's checkpoint forever (0 = off)."""
     grace_period_s: float = 60.0
@@ -340,8 +409,13 @@ class CheckpointConfig:
 @dataclass(kw_only=True, slots=True)
 class LoggingConfig:
     tensorboard: bool = True
+    """Write the scalar metrics to RUN_DIR/tensorboard."""
     hdf5: bool = True
+    """Log every sample (token ids, log-probs, reward, advantage, versions) to
+    RUN_DIR/trajectories.h5."""
     print_every: int = 1
+    """Print the driver's step line every N steps (evaluation steps and the last step always);
+    metrics.jsonl gets every step."""
 
     def __post_init__(self) -> None:
         _positive(self, "print_every")
@@ -350,13 +424,19 @@ class LoggingConfig:
 @dataclass(kw_only=True, slots=True)
 class SlurmGroupConfig:
     nodes: int = 1
+    """Nodes of this component of the heterogeneous job."""
     gpus_per_node: int = 0
+    """GPUs per node (`--gpus-per-node`); 0 = none requested."""
     cpus_per_node: int = 2
+    """CPUs of the node's one task (`--cpus-per-task`); 0 = Slurm's default."""
     mem_gb: float = 0.0
     """0 = Slurm's default."""
     partition: str | None = None
+    """Slurm partition; null = the cluster's default."""
     constraint: str | None = None
+    """Required node features (`--constraint`); null = any node."""
     time_min: int = 60
+    """Time limit [minutes] (`--time`)."""
 
     def __post_init__(self) -> None:
         _positive(self, "nodes", "time_min")
@@ -366,8 +446,12 @@ class SlurmGroupConfig:
 @dataclass(kw_only=True, slots=True)
 class ClusterConfig:
     kind: Literal["local", "slurm"] = "local"
+    """`local`: this machine (submitit's local executor, Ray started locally); `slurm`: one
+    heterogeneous Slurm job."""
     trainer: SlurmGroupConfig = field(default_factory=lambda: SlurmGroupConfig(nodes=2))
+    """kind slurm: the trainer component's resources."""
     rollout: SlurmGroupConfig = field(default_factory=SlurmGroupConfig)
+    """kind slurm: the rollout component's resources."""
     max_requeues: int = 3
     """The job requeues itself (`scontrol requeue`) after a stop signal while
     SLURM_RESTART_COUNT < max_requeues; then it stops with its checkpoint (resubmit to resume).
@@ -376,7 +460,11 @@ class ClusterConfig:
     """Slurm sends USR2 (submitit's preemption signal) this long before the time limit; with
     preemption grace time the same signal announces a preemption."""
     ray_start_timeout_s: float = 120.0
+    """kind slurm: seconds for the Ray head to listen and every node to join (the job tries
+    twice)."""
     placement_timeout_s: float = 300.0
+    """Seconds to wait for Ray to place the trainer and rollout actors (and a replacement
+    engine)."""
     ray_object_store_mb: int = 0
     """Ray object store per node [MiB]; 0 = Ray's default (30% of the node's RAM)."""
     slurm_params: dict[str, str] = field(default_factory=dict)
@@ -390,10 +478,16 @@ class ClusterConfig:
 @dataclass(kw_only=True, slots=True)
 class SftConfig:
     steps: int = 300
+    """Optimizer steps of the SFT warm start."""
     batch_size: int = 64
+    """Examples per SFT step, drawn with replacement from the training set."""
     lr: float = 3e-3
+    """Peak AdamW learning rate of the warm start (linear warmup, then cosine decay to 0)."""
     warmup_steps: int = 20
+    """Steps of linear learning-rate warmup."""
     cache_dir: str = "checkpoints/sft"
+    """Where warm starts are cached: one directory per model, data, seed and sft settings
+    (cache_dir itself aside)."""
 
     def __post_init__(self) -> None:
         _positive(self, "steps", "batch_size", "lr")
@@ -446,24 +540,39 @@ class PlanConfig:
 @dataclass(kw_only=True, slots=True)
 class Config:
     name: str = "run"
+    """Run name; the same name and output_dir resumes the run."""
     output_dir: str = "checkpoints"
     """Runs live in `output_dir/name`."""
     seed: int = 0
     """Seed of the run's data (synthetic task, eval split, prompt sampler), trainer and SFT; >= 0."""
     num_steps: int = 20
+    """RL steps (rollout, train, weight sync); a resumed run continues up to this step."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model: a preset or a Hugging Face directory."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and answers: synthetic arithmetic or your files."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """How responses are scored."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The rollout engines and their sampling."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The DeepSpeed trainer ranks and their optimizer."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """GRPO/PPO objective, batch size and asynchrony."""
     sync: SyncConfig = field(default_factory=SyncConfig)
+    """Weight updates from the trainer to the engines."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints, retention and fault limits."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """TensorBoard, the HDF5 trajectory log and the step line."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Where the run goes: this machine or a Slurm job."""
     sft: SftConfig = field(default_factory=SftConfig)
+    """The SFT warm start (model.warm_start)."""
     plan: PlanConfig = field(default_factory=PlanConfig)
+    """Inputs of the memory planner (`launch.plan`)."""
 
     def __post_init__(self) -> None:
         _non_negative(self, "num_steps", "seed")

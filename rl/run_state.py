@@ -252,7 +252,9 @@ class RunContext:
                 rollout_logprobs=[s.logprobs for s in samples], reward=parts.total, advantage=adv,
                 finish_reason=[s.finish_reason for s in samples], old_logprobs=old_logprobs,
                 version_spans=[s.spans() for s in samples], staleness=lags)
-        print(format_step(self.cfg, step, metrics), flush=True)
+        last = step == self.cfg.num_steps
+        if step % self.cfg.logging.print_every == 0 or last or "eval/pass1" in metrics:
+            print(format_step(self.cfg, step, metrics), flush=True)
 
     def save_checkpoint(self, pending: list[dict] = ()) -> Path:
         """`pending`: the rollout pipeline's batches generated ahead (`RolloutPipeline.state_dict`)."""

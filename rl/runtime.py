@@ -17,10 +17,22 @@ from rl.cluster.groups import (GroupSpec, bundle_address, bundle_nodes, free_por
                                start_proc_group, start_ray_group)
 from rl.config import Config
 from rl.rollout.base import Sample, SamplingParams
-from rl.sync.transport import resolve_backend
+from rl.sync.transport import SyncError, resolve_backend
 from rl.trainer.worker import RankInfo, TrainerWorker
 
 log = logging.getLogger(__name__)
+
+
+def wait_for_sync(futures: list, timeout_s: float) -> list:
+    """`wait_all` for a weight-sync step, where every failure short of a dead actor (ActorDied)
+    is a SyncError, the type the recovery path catches: a worker's own SyncError arrives as one
+    on both backends (`rl.cluster.actors`), and the driver giving up after `timeout_s` (a sender
+    or receiver stuck mid-bucket) becomes one here."""
+    try:
+        return wait_all(futures, timeout=timeout_s)
+    except TimeoutError as e:
+        raise SyncError(f"weight sync: not every trainer rank and engine finished within "
+                        f"{timeout_s:.0f}s (one is stuck or waiting for a peer that stopped)") from e
 
 
 class EngineHost:
@@ -203,7 +215,7 @@ class Runtime:
             futures.append(e.call("init_weight_sync", host, port, world, first, backend,
                                   self.cfg.sync.timeout_s))
             first += size
-        wait_all(futures, timeout=self.cfg.sync.timeout_s + 30)
+        wait_for_sync(futures, self.cfg.sync.timeout_s + 30)
 
     # ---- the driver's verbs ----------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
@@ -244,8 +256,7 @@ class Runtime:
         """Broadcast the trainer's weights to every engine; returns trainer-side stats."""
         futures = [t.call("send_weights", version) for t in self.trainers]
         futures += [e.call("receive_weights", self.plan, version) for e in self.engines]
-        results = wait_all(futures, timeout=self.cfg.sync.timeout_s + 60)
-        return results[0]
+        return wait_for_sync(futures, self.cfg.sync.timeout_s + 60)[0]
 
     def score_trainer(self, prompt_ids, response_ids) -> list[list[float]]:
         return wait_all([t.call("score", prompt_ids, response_ids) for t in self.trainers])[0]

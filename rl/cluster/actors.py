@@ -3,13 +3,20 @@
 The driver speaks one explicit vocabulary for both: `handle.call("method", *args)` returns a
 `Future`; `wait_all(futures)` collects results. No decorators, no generated classes: a worker is
 an ordinary Python class you can also instantiate in a debugger.
+
+Failures look the same on both backends: an exception a worker method raises reaches the driver
+as its own type (Ray: `RayTaskError` subclassing it; plain processes: the unpickled exception,
+chained from a `RemoteError` holding the worker's traceback); a dead worker is `ActorDied`; a
+`result(timeout)` that runs out is a `TimeoutError` (`ray.exceptions.GetTimeoutError` is one).
 """
 from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
 import os
+import pickle
 import threading
+import time
 import traceback
 from concurrent.futures import Future as _CFuture
 from typing import Any
@@ -25,7 +32,11 @@ class Future:
 
 
 def wait_all(futures: list[Future], timeout: float | None = None) -> list[Any]:
-    return [f.result(timeout) for f in futures]
+    """Every future's result, in order; `timeout` [s] bounds the whole wait (TimeoutError)."""
+    if timeout is None:
+        return [f.result() for f in futures]
+    deadline = time.monotonic() + timeout
+    return [f.result(max(0.0, deadline - time.monotonic())) for f in futures]
 
 
 # ---------------------------------------------------------------------------------------
@@ -63,8 +74,8 @@ def _serve(conn, cls, args, kwargs, env):
     try:
         obj = cls(*args, **kwargs)
         conn.send((0, True, None))
-    except BaseException:  # noqa: BLE001 - report construction failures to the driver
-        conn.send((0, False, traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 - report construction failures to the driver
+        conn.send((0, False, _failure(e)))
         return
     while True:
         try:
@@ -76,8 +87,18 @@ def _serve(conn, cls, args, kwargs, env):
         call_id, method, a, kw = msg
         try:
             conn.send((call_id, True, getattr(obj, method)(*a, **kw)))
-        except BaseException:  # noqa: BLE001
-            conn.send((call_id, False, traceback.format_exc()))
+        except BaseException as e:  # noqa: BLE001
+            conn.send((call_id, False, _failure(e)))
+
+
+def _failure(exc: BaseException) -> tuple[bytes | None, str]:
+    """What a worker sends for a failed call: the pickled exception when it pickles, so the
+    driver can catch it by type as under Ray, and the traceback text either way."""
+    try:
+        blob = pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - unpicklable arguments: the text still goes
+        blob = None
+    return blob, traceback.format_exc()
 
 
 class ProcFuture(Future):
@@ -89,7 +110,21 @@ class ProcFuture(Future):
 
 
 class RemoteError(RuntimeError):
-    pass
+    """A worker's failure as text (`name: traceback`): raised as is when the exception did not
+    survive pickling, else the `__cause__` of the worker's own exception."""
+
+
+def _remote_exception(name: str, failure: tuple[bytes | None, str]) -> Exception:
+    blob, text = failure
+    remote = RemoteError(f"{name}: {text}")
+    try:
+        exc = pickle.loads(blob) if blob is not None else None
+    except Exception:  # noqa: BLE001 - e.g. a class the driver cannot import
+        exc = None
+    if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt: never re-raise those here
+        return remote
+    exc.__cause__ = remote
+    return exc
 
 
 class ProcActor:
@@ -120,7 +155,7 @@ class ProcActor:
             if ok:
                 fut._f.set_result(value)
             else:
-                fut._f.set_exception(RemoteError(f"{self.name}: {value}"))
+                fut._f.set_exception(_remote_exception(self.name, value))
         for fut in list(self._pending.values()):
             if not fut._f.done():
                 fut._f.set_exception(ActorDied(f"{self.name} (pid {self._proc.pid}) died"))

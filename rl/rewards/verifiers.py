@@ -6,9 +6,12 @@ reference answer as extracted by `rl.data`.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
+import signal
 import threading
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 from rl.data.answers import extract_answer, find_boxed, find_gsm8k
 
@@ -19,41 +22,81 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 _CLEAN_TAIL = re.compile(r"[\s$.\\\])]*")
 """What may follow a final `\\boxed{..}`: whitespace and closing delimiters (`$`, `.`, `\\]`)."""
 
-
-def _math_timeout(timeout_s: int) -> int | None:
-    # math-verify times out with SIGALRM, which only the main thread may set; elsewhere (threads,
-    # threaded Ray actors) it raises, so there the timeout is off and math-verify runs unguarded.
-    if timeout_s > 0 and threading.current_thread() is threading.main_thread():
-        return timeout_s
-    return None
+log = logging.getLogger(__name__)
+_UNGUARDED_WARNED = False
 
 
-def math_equal(response: str, answer: str, timeout_s: int = 5) -> bool:
+class _Deadline(BaseException):
+    """Raised by our SIGALRM handler; a BaseException so that math-verify's and sympy's
+    `except Exception` cannot swallow it on its way out."""
+
+
+@contextlib.contextmanager
+def _time_limit(timeout_s: float) -> Iterator[None]:
+    """Raise TimeoutError when the block runs longer than `timeout_s` (0 = no limit).
+
+    SIGALRM may only be set from the main thread; elsewhere (threads, threaded Ray actors) the
+    block runs unguarded, with one warning per process.
+    """
+    global _UNGUARDED_WARNED
+    if timeout_s <= 0:
+        yield
+        return
+    if threading.current_thread() is not threading.main_thread():
+        if not _UNGUARDED_WARNED:
+            _UNGUARDED_WARNED = True
+            log.warning("math-verify runs outside the main thread: reward.verify_timeout_s "
+                        "cannot be enforced there (it is signal-based)")
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise _Deadline
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Deadline:
+        # A timeout is a failed reward, not a wrong answer: RewardComputer counts it.
+        raise TimeoutError(f"math-verify took longer than {timeout_s:g}s") from None
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+
+def math_equal(response: str, answer: str, timeout_s: float = 5) -> bool:
     """Whether `response` states an answer mathematically equal to `answer` (`0.5`, `1/2` and
     `\\frac{1}{2}` agree). Integers on both sides take a fast path; everything else goes through
     math-verify, which finds the answer in free text (`\\boxed{..}`, `$..$`, a final number).
 
-    `timeout_s` bounds each parse/compare in the main thread (0 = off). Raises ValueError when
-    the reference answer itself cannot be parsed.
+    `timeout_s` bounds the whole check in the main thread (0 = off); past it, TimeoutError.
+    Raises ValueError when the reference answer itself cannot be parsed.
     """
     r, a = response.strip(), answer.strip()
     if _INTEGER.fullmatch(a) and _INTEGER.fullmatch(r):
         return int(a) == int(r)
-    from math_verify import parse, verify  # slow import (sympy), paid only by math rewards
+    from math_verify import grader, parse, parser, verify  # slow import (sympy): math rewards only
 
-    timeout = _math_timeout(timeout_s)
+    # math-verify's own timeouts catch their alarm and return "not equal", which would hide the
+    # timeout; we bound the time ourselves, so silence its warning that its timeouts are off.
+    parser.TIMEOUT_WARNING_SHOWN = grader.TIMEOUT_WARNING_SHOWN = True
     # A bare reference (`\sqrt{2}`, `x^2+1`) is only recognised as LaTeX inside math delimiters.
     gold_text = a if ("$" in a or "\\boxed" in a) else f"${a}$"
-    gold = parse(gold_text, parsing_timeout=timeout)
-    if not gold:
-        raise ValueError(f"math-verify cannot parse the reference answer {answer!r}")
-    pred = parse(response, parsing_timeout=timeout)
-    return bool(pred) and verify(gold, pred, timeout_seconds=timeout)
+    with _time_limit(timeout_s):
+        gold = parse(gold_text, parsing_timeout=None)
+        if not gold:
+            raise ValueError(f"math-verify cannot parse the reference answer {answer!r}")
+        pred = parse(response, parsing_timeout=None)
+        return bool(pred) and verify(gold, pred, timeout_seconds=None)
 
 
 def math_reward(response: str, answer: str, meta: dict[str, Any] | None = None, *,
-                timeout_s: int = 5) -> float:
-    """1.0 when `math_equal(response, answer)`, else 0.0."""
+                timeout_s: float = 5) -> float:
+    """1.0 when `math_equal(response, answer)`, else 0.0; raises TimeoutError past `timeout_s`."""
     return float(math_equal(response, answer, timeout_s))
 
 

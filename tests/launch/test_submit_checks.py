@@ -50,6 +50,17 @@ def test_resume_with_a_different_config_is_refused_before_anything_starts(tmp_pa
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]  # no job, no submitit
 
 
+def test_unknown_slurm_params_are_refused_before_anything_starts(tmp_path):
+    proc = submit(f"output_dir={tmp_path}", "cluster.kind=slurm", "cluster.slurm_params.acount=rl",
+                  "cluster.slurm_params.job-name=x", "cluster.slurm_params.qos=low")
+    assert_refused_in_one_line(
+        proc, "config error: cluster.slurm_params: unknown Slurm parameter(s) ['acount', "
+              "'job_name'] (job_name set from the trainer/rollout component fields",
+        "valid: ['account', 'comment', 'dependency', 'exclude', 'exclusive', 'mail_type', "
+        "'mail_user', 'qos', 'reservation', 'wckey']")
+    assert list(tmp_path.iterdir()) == []  # no run directory, no submitit folder
+
+
 def write_jsonl(path, lines):
     path.write_text("".join(line + "\n" for line in lines))
     return path

@@ -52,12 +52,20 @@ def test_plan_that_does_not_fit_exits_1_with_suggestions():
     ((V4, "model.path=/nowhere/MyModel"), "model.path: '/nowhere/MyModel' has no config.json"),
     ((V4, "plan.model_config=/nowhere/config.json"), "plan.model_config: cannot read"),
     (("configs/missing.yaml",), "configs/missing.yaml: cannot read config file"),
+    ((V4, "cluster.slurm_params.acount=rl"), "config error: cluster.slurm_params: unknown Slurm "
+     "parameter(s) ['acount']; valid: ['account', 'comment', 'dependency', 'exclude', "
+     "'exclusive', 'mail_type', 'mail_user', 'qos', 'reservation', 'wckey']"),
 ])
 def test_bad_config_exits_2_with_one_line(args, message):
     proc, _ = run(*args)
     assert proc.returncode == 2
     assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
     assert message in proc.stderr
+
+
+def test_known_slurm_params_plan_normally():
+    proc, _ = run(V4, "cluster.slurm_params.account=rl", "cluster.slurm_params.mail-type=END")
+    assert proc.returncode == 0 and "Verdict: FITS" in proc.stdout, proc.stderr
 
 
 def test_model_config_override_is_used(tmp_path, fixtures_dir):

@@ -74,6 +74,14 @@ def test_unparseable_reference_in_math_is_a_counted_failure():
     assert computer.failures == 1 and "cannot parse the reference answer" in computer.errors[0]
 
 
+
+def test_math_verify_timeout_is_a_counted_failure():
+    computer = RewardComputer(RewardConfig(function="math", verify_timeout_s=0.2))
+    parts = computer.score(["\\boxed{9^{9^{9}}}", "$\\frac{3}{7}$"], examples("3/7", "3/7"))
+    assert parts.failed == [True, False] and parts.total == [0.0, 1.0]
+    assert computer.failures == 1
+    assert "TimeoutError: math-verify took longer than 0.2s" in computer.errors[0]
+
 @pytest.mark.parametrize("path, message", [
     ("no_such_pkg_xyz.mod:fn", r"reward\.function: got 'no_such_pkg_xyz\.mod:fn', cannot import "
                                r"module 'no_such_pkg_xyz\.mod' \(ModuleNotFoundError: "),

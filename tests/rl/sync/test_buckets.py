@@ -39,6 +39,29 @@ def test_pack_rejects_shape_mismatch():
         pack_bucket(plan.buckets[0], {"a": torch.zeros(3)})
 
 
+class _FlipOnArrival:
+    """The receiver's process group, except that one byte of its `nth` broadcast is flipped once
+    the data has arrived: corruption on the wire, after the sender computed its checksum."""
+
+    def __init__(self, pg, nth: int):
+        self.pg, self.nth, self.count = pg, nth, 0
+
+    def broadcast(self, tensors, opts):
+        work = self.pg.broadcast(tensors, opts)
+        self.count += 1
+        return _FlippingWork(work, tensors[0]) if self.count == self.nth else work
+
+
+class _FlippingWork:
+    def __init__(self, work, tensor):
+        self.work, self.tensor = work, tensor
+
+    def wait(self, timeout=None):
+        done = self.work.wait(timeout)
+        self.tensor[0] ^= 0xFF
+        return done
+
+
 def _exchange(verify, corrupt=False, version_sent=5, version_expected=5):
     t = tensors()
     plan = plan_for(t.items(), bucket_bytes=512)
@@ -48,6 +71,8 @@ def _exchange(verify, corrupt=False, version_sent=5, version_expected=5):
     def receiver():
         try:
             g = make_group("127.0.0.1", port, 2, 1, "gloo", timeout_s=20)
+            if corrupt:  # bucket 1's data: broadcast 4 with checksums (header, b0, sum0, b1), else 3
+                g.pg = _FlipOnArrival(g.pg, nth=4 if verify else 3)
             for items in receive_buckets(g, plan, version=version_expected, verify=verify):
                 got.update({k: v.clone() for k, v in items})
         except Exception as e:  # noqa: BLE001
@@ -56,32 +81,43 @@ def _exchange(verify, corrupt=False, version_sent=5, version_expected=5):
     th = threading.Thread(target=receiver)
     th.start()
     g = make_group("127.0.0.1", port, 2, 0, "gloo", timeout_s=20)
-
-    def pack(i, b):
-        buf = pack_bucket(b, t)
-        if corrupt and i == 1:
-            buf[0] ^= 0xFF  # flip bits after the checksum would be computed? (checksum is of buf)
-        return buf
-
     stats = None
     try:
-        stats = send_buckets(g, plan, version_sent, pack, verify=verify)
+        stats = send_buckets(g, plan, version_sent, lambda _i, b: pack_bucket(b, t), verify=verify)
     except SyncError as e:
         errors.append(e)
     th.join(30)
-    return t, got, errors, stats
+    return t, got, errors, stats, plan
 
 
 def test_broadcast_delivers_equal_weights_with_checksums():
-    t, got, errors, stats = _exchange(verify=True)
+    t, got, errors, stats, _ = _exchange(verify=True)
     assert not errors
     assert set(got) == set(t) and all(torch.equal(got[k], t[k]) for k in t)
     assert stats["bytes"] == sum(x.numel() * x.element_size() for x in t.values()) and stats["seconds"] > 0
 
 
 def test_version_mismatch_fails_loudly():
-    _, _, errors, _ = _exchange(verify=False, version_sent=4, version_expected=5)
+    _, _, errors, _, _ = _exchange(verify=False, version_sent=4, version_expected=5)
     assert any("version mismatch: sender sent 4, expected 5" in str(e) for e in errors)
+
+
+def test_verify_catches_a_bucket_corrupted_in_transit():
+    t, got, errors, _, plan = _exchange(verify=True, corrupt=True)
+    first = plan.buckets[1].slots[0].name
+    assert [str(e) for e in errors] == [
+        f"weight sync checksum mismatch in bucket 1 (first tensor {first}, "
+        f"{plan.buckets[1].nbytes} bytes)"]
+    # Bucket 0 was loaded; nothing of the corrupted bucket or after it was handed on.
+    assert set(got) == {s.name for s in plan.buckets[0].slots}
+
+
+def test_without_verify_the_same_corruption_goes_unnoticed():
+    t, got, errors, _, plan = _exchange(verify=False, corrupt=True)
+    assert not errors and set(got) == set(t)
+    corrupted = plan.buckets[1].slots[0].name
+    assert not torch.equal(got[corrupted], t[corrupted])  # what sync.verify is there to catch
+    assert all(torch.equal(got[k], t[k]) for k in t if k != corrupted)
 
 
 def test_rendezvous_timeout_is_a_clear_error():

@@ -1,0 +1,54 @@
+"""`sync.check_logprobs`: after an update the trainer and every engine score one probe sequence;
+a difference above `sync.check_logprobs_tol` stops the run. `RunContext.check_logprobs` against
+a runtime whose engines answer with chosen offsets from the trainer's log-probs (the real
+scoring is covered by the loop tests, where the check passes)."""
+import pytest
+
+from rl.config import load_config
+from rl.data import Example
+from rl.models.tokenizer import build_char_tokenizer
+from rl.run_state import RunContext
+
+
+class OffsetRuntime:
+    """Trainer log-probs -0.1, -0.2, ...; engine i reports them shifted by offsets[i] at the
+    last token. Records what it was asked to score."""
+
+    def __init__(self, *offsets):
+        self.offsets, self.asked = offsets, []
+
+    def score_trainer(self, prompt_ids, response_ids):
+        self.asked.append((prompt_ids, response_ids))
+        return [[-0.1 * (k + 1) for k in range(len(r))] for r in response_ids]
+
+    def score_engines(self, prompt_ids, response_ids):
+        ref = self.score_trainer(prompt_ids, response_ids)
+        return [[row[:-1] + [row[-1] + off] for row in ref] for off in self.offsets]
+
+
+def context(runtime, tol):
+    ctx = RunContext.__new__(RunContext)  # the check needs only these attributes, not a run
+    ctx.cfg = load_config(None, [f"sync.check_logprobs_tol={tol}"])
+    ctx.tokenizer = build_char_tokenizer()
+    ctx.eval_set, ctx.eval_prompt_ids = [Example(prompt="2+3=", answer="5", meta={})], [[7, 8, 9]]
+    ctx.train, ctx.train_prompt_ids = [], []
+    ctx.runtime, ctx.logprob_diffs = runtime, []
+    return ctx
+
+
+def test_engines_within_tolerance_pass_and_the_worst_difference_is_logged():
+    runtime = OffsetRuntime(2e-4, -6e-4)
+    ctx = context(runtime, 1e-3)
+    assert ctx.check_logprobs() == pytest.approx(6e-4)
+    assert ctx.logprob_diffs == [pytest.approx(6e-4)]
+    # The probe: the first eval prompt, its answer's tokens and EOS.
+    tok = ctx.tokenizer
+    assert runtime.asked[0] == ([[7, 8, 9]], [tok("5", add_special_tokens=False)["input_ids"]
+                                              + [tok.eos_token_id]])
+
+
+def test_one_engine_above_tolerance_stops_the_run():
+    ctx = context(OffsetRuntime(1e-5, 2.5e-3), 1e-3)
+    with pytest.raises(RuntimeError, match=r"differ from the trainer's by 2\.50e-03 \(> "
+                                           r"sync\.check_logprobs_tol 1e-03\): the weights did not"):
+        ctx.check_logprobs()
