@@ -18,9 +18,9 @@ from pathlib import Path
 
 from launch.checks import (check_data_or_exit, check_resume_or_exit,
                            check_slurm_params_or_exit)
-from launch.rundir import archive_run_dir
 from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
                            split_config_args)
+from launch.rundir import archive_run_dir
 from rl.signals import EXIT_REQUEUE
 
 
