@@ -14,17 +14,27 @@ from pathlib import Path
 
 from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
                            split_config_args)
+from rl.console import job_log
 from rl.signals import EXIT_REQUEUE
 
 
-def _stream(path: Path, pos: int) -> int:
+def _stream(path: Path, pos: int, quiet: bool = False, out=None) -> int:
+    """Copies what `path` gained since `pos` to `out` (stdout); returns the new position.
+    `quiet` drops submitit's own INFO lines (job started, pickle loaded, job completed)."""
+    out = out or sys.stdout
     if path.exists():
         with open(path, "rb") as f:
             f.seek(pos)
             chunk = f.read()
+        if quiet:  # only whole lines, so that a line cut by the read is judged once complete
+            chunk = chunk[:chunk.rfind(b"\n") + 1]
         if chunk:
-            sys.stdout.write(chunk.decode(errors="replace"))
-            sys.stdout.flush()
+            text = chunk.decode(errors="replace")
+            if quiet:
+                text = "".join(ln for ln in text.splitlines(keepends=True)
+                               if not ln.startswith("submitit INFO"))
+            out.write(text)
+            out.flush()
             pos += len(chunk)
     return pos
 
@@ -37,7 +47,13 @@ def run_local(cfg, args) -> int:
     executor = submitit.LocalExecutor(folder=str(folder))
     executor.update_parameters(timeout_min=24 * 60)
     job = executor.submit(run_job, cfg, not args.no_resume, args.force)
-    print(f"local job {job.job_id} started; logs: {job.paths.stdout}", flush=True)
+    verbose = cfg.logging.verbose
+    print(f"local job {job.job_id} started in {cfg.run_dir.resolve()}: SFT warm start unless "
+          f"cached, then {cfg.trainer.num_ranks} trainer rank(s) and {cfg.rollout.num_engines} "
+          f"{cfg.rollout.engine} engine(s) start (minutes on a CPU)", flush=True)
+    if not verbose:
+        print(f"library output (vLLM, Ray, DeepSpeed, ...): {job_log(cfg.run_dir).resolve()} "
+              "(logging.verbose=true prints it here)", flush=True)
 
     def forward(signum, _frame):  # Ctrl-C / TERM: ask the job to checkpoint and stop
         # submitit's local controller forwards SIGTERM to the task, where rl.signals handles it.
@@ -49,13 +65,17 @@ def run_local(cfg, args) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, forward)
+    def stream_err(pos: int) -> int:  # verbose: all of it, as the libraries wrote it
+        return (_stream(job.paths.stderr, pos, out=sys.stderr) if verbose
+                else _stream_errors(job.paths.stderr, pos))
+
     out_pos = err_pos = 0
     while not job.done():
-        out_pos = _stream(job.paths.stdout, out_pos)
-        err_pos = _stream_errors(job.paths.stderr, err_pos)
+        out_pos = _stream(job.paths.stdout, out_pos, quiet=not verbose)
+        err_pos = stream_err(err_pos)
         time.sleep(0.5)
-    _stream(job.paths.stdout, out_pos)
-    _stream_errors(job.paths.stderr, err_pos)
+    _stream(job.paths.stdout, out_pos, quiet=not verbose)
+    stream_err(err_pos)
     try:
         job.result()
         return 0
@@ -67,7 +87,8 @@ def run_local(cfg, args) -> int:
         if "ConfigError" in text:
             line = next((ln for ln in text.splitlines() if "ConfigError" in ln), text)
             fail("config error: " + line.split("ConfigError:", 1)[-1].strip())
-        print(f"job failed; full log: {job.paths.stderr}", file=sys.stderr)
+        where = "" if verbose else f" and {job_log(cfg.run_dir)}"
+        print(f"job failed; full log: {job.paths.stderr}{where}", file=sys.stderr)
         return 1
 
 

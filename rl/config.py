@@ -311,10 +311,10 @@ class CheckpointConfig:
 class LoggingConfig:
     tensorboard: bool = True
     hdf5: bool = True
-    print_every: int = 1
-
-    def __post_init__(self) -> None:
-        _positive(self, "print_every")
+    verbose: bool = False
+    """Print everything the job's libraries write (vLLM, Ray workers, DeepSpeed, transformers,
+    warnings) on the console. Off: the console shows the step lines, progress, the summary and
+    errors, and the rest goes to RUN_DIR/logs/job.log."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,6 +18,7 @@ import yaml
 
 from rl.checkpoint import CheckpointManager
 from rl.config import Config, ConfigError, save_config, to_dict
+from rl.console import say
 from rl.data.datasets import build_datasets, format_prompt
 from rl.data.sampler import PromptSampler
 from rl.evaluate import evaluate
@@ -144,7 +145,7 @@ class RunContext:
             purge = self.state.step + 1
             log.info("resumed from %s (step %d, weight version %d)", path, self.state.step,
                      self.state.weight_version)
-            print(f"resuming {self.run_dir} from checkpoint step {self.state.step}", flush=True)
+            say(f"resuming {self.run_dir} from checkpoint step {self.state.step}")
         self.metrics = MetricsLogger(self.run_dir, enabled=cfg.logging.tensorboard, purge_step=purge)
         self.log(self.state.step, restart_metrics(self.run_dir))
         if cfg.logging.hdf5:
@@ -258,7 +259,7 @@ class RunContext:
                 rollout_logprobs=[s.logprobs for s in samples], reward=parts.total, advantage=adv,
                 finish_reason=[s.finish_reason for s in samples], old_logprobs=old_logprobs,
                 version_spans=[s.spans() for s in samples], staleness=lags)
-        print(format_step(self.cfg, step, metrics), flush=True)
+        say(format_step(self.cfg, step, metrics))
 
     def save_checkpoint(self, pending: list[dict] = ()) -> Path:
         """`pending`: the rollout pipeline's batches generated ahead (`RolloutPipeline.state_dict`)."""
