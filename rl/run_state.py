@@ -236,6 +236,7 @@ class RunContext:
                 "reward/mean": statistics.fmean(total),
                 "reward/std": statistics.pstdev(total) if len(total) > 1 else 0.0,
                 "reward/failures": float(self.rewards.failures),
+                "reward/format": statistics.fmean(parts.format),
                 "rollout/accuracy": sum(c >= 1.0 for c in parts.correctness) / len(samples),
                 "rollout/response_length": statistics.fmean(lengths),
                 "rollout/tokens_per_s": sum(lengths) / max(seconds, 1e-9)}
@@ -313,11 +314,23 @@ def restart_metrics(run_dir: Path) -> dict[str, float]:
 
 
 def format_step(cfg: Config, step: int, m: dict) -> str:
-    parts = [f"step {step:>4}/{cfg.num_steps}",
-             f"reward {m.get('reward/mean', 0):.3f}", f"acc {m.get('rollout/accuracy', 0):.3f}",
-             f"len {m.get('rollout/response_length', 0):.1f}", f"loss {m.get('train/loss', 0):+.4f}",
-             f"kl {m.get('train/approx_kl', 0):.4f}", f"gnorm {m.get('train/grad_norm', 0):.3f}",
-             f"sync {m.get('sync/seconds', 0):.2f}s"]
+    """The console line of one step, from its metrics (METRIC_TAGS names).
+
+    `acc` (the verifier's) is shown only where it can differ from `reward`: a built-in 0/1
+    verifier alone makes them the same number. `format` (the format reward before its weight)
+    only when `reward.format_weight` > 0; `trunc` is the fraction cut at max_new_tokens.
+    """
+    r = cfg.reward
+    parts = [f"step {step:>4}/{cfg.num_steps}", f"reward {m.get('reward/mean', 0):.3f}"]
+    if r.format_weight > 0 or r.function not in ("math", "exact"):
+        parts.append(f"acc {m.get('rollout/accuracy', 0):.3f}")
+    if r.format_weight > 0:
+        parts.append(f"format {m.get('reward/format', 0):.3f}")
+    parts += [f"len {m.get('rollout/response_length', 0):.1f}",
+              f"trunc {m.get('rollout/truncated_frac', 0):.2f}",
+              f"{m.get('rollout/tokens_per_s', 0):.0f} tok/s",
+              f"loss {m.get('train/loss', 0):+.4f}", f"kl {m.get('train/approx_kl', 0):.4f}",
+              f"gnorm {m.get('train/grad_norm', 0):.3f}", f"sync {m.get('sync/seconds', 0):.2f}s"]
     if cfg.algorithm.max_staleness:
         parts.append(f"stale {m.get('rollout/staleness_mean', 0):.2f} idle trainer "
                      f"{m.get('trainer/idle_ratio', 0):.2f} rollout "
