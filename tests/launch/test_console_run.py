@@ -57,7 +57,7 @@ def test_quiet_console_shows_steps_warm_start_and_summary_only(runs):
 def test_quiet_run_keeps_the_library_output_in_the_job_log(runs):
     tmp, _, _ = runs
     text = (tmp / "quiet" / "logs" / "job.log").read_text()
-    assert len(text.splitlines()) > 100
+    assert "step    2/2 | reward" in text  # the console's lines too, for context
     assert "Initializing a V1 LLM engine" in text  # vLLM
     assert "(TrainerWorker pid=" in text and "(EngineHost pid=" in text  # Ray's worker output
     assert "real_accelerator.py" in text  # DeepSpeed
