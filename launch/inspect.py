@@ -1,10 +1,12 @@
-"""Summarise a run directory: `python -m launch.inspect RUN_DIR [--samples N] [--tokenizer PATH] [--plot]`.
+"""Summarise a run directory: `python -m launch.inspect RUN_DIR [--samples N] [--tokenizer PATH] [--ids] [--plot]`.
 
 Prints, from `RUN_DIR/trajectories.h5`, the row and step counts and one line per step (mean
-reward, response length, weight versions), then a few samples, decoded when a tokenizer is found
-(`--tokenizer PATH`, else `RUN_DIR/model` when it exists; token ids otherwise), and the last eval
-accuracy from `RUN_DIR/tensorboard`. `--plot` writes `RUN_DIR/curves.png`: reward per step and
-eval/pass1. Works on a live run (best-effort reads). Leaves out: anything that needs torch.
+reward, response length, weight versions), then a few samples decoded with the run's own
+tokenizer (`--tokenizer PATH`, else `RUN_DIR/model` when it exists, else the model directory the
+run started from, found from `RUN_DIR/config.yaml`: its SFT warm start or its model; token ids
+when none loads, or with `--ids`), and the last eval accuracy from `RUN_DIR/tensorboard`.
+`--plot` writes `RUN_DIR/curves.png`: reward per step and eval/pass1. Works on a live run
+(best-effort reads). Leaves out: building anything (a missing warm start is not trained).
 
 Exit status: 0 on success, 2 when RUN_DIR is missing or holds neither a trajectory file nor
 TensorBoard events (one line on stderr).
@@ -50,6 +52,30 @@ def _load_tokenizer(path: Path | None) -> Any | None:
         print(f"(no tokenizer from {path}: {type(e).__name__}: {str(e).splitlines()[0][:120]}; "
               "printing token ids)")
         return None
+
+
+def run_tokenizer_dir(run_dir: Path) -> Path | None:
+    """The model directory the run started from (holding its tokenizer), or None.
+
+    Found from RUN_DIR/config.yaml (`rl.sft.run_model_dir`). Its paths are relative to where the
+    run was started: tried from the current directory, then from each directory above RUN_DIR.
+    """
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        return None
+    import yaml
+
+    from rl.sft import run_model_dir
+    try:
+        path = run_model_dir(yaml.safe_load(saved.read_text()))
+    except (yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return None
+    if path.is_absolute():
+        return path
+    for base in (Path.cwd(), *run_dir.resolve().parents):
+        if (base / path).is_dir():
+            return base / path
+    return path  # not found: _load_tokenizer says so
 
 
 def _text(tokenizer: Any | None, ids: Any) -> str:
@@ -115,7 +141,8 @@ def plot(run_dir: Path, reader: TrajectoryReader | None, evals: list[tuple[int, 
     return out
 
 
-def run(run_dir: Path, num_samples: int, tokenizer_path: Path | None, make_plot: bool) -> None:
+def run(run_dir: Path, num_samples: int, tokenizer_path: Path | None, make_plot: bool,
+        ids: bool = False) -> None:
     if not run_dir.is_dir():
         raise InspectError(f"{run_dir}: no such run directory")
     traj_path, tb_dir = run_dir / TRAJECTORY_FILE, run_dir / TENSORBOARD_SUBDIR
@@ -128,7 +155,13 @@ def run(run_dir: Path, num_samples: int, tokenizer_path: Path | None, make_plot:
             reader = TrajectoryReader(traj_path)
             if tokenizer_path is None and (run_dir / "model").exists():
                 tokenizer_path = run_dir / "model"
-            tokenizer = _load_tokenizer(tokenizer_path) if num_samples > 0 else None
+            if tokenizer_path is None and num_samples > 0 and not ids:
+                tokenizer_path = run_tokenizer_dir(run_dir)
+            tokenizer = None
+            if num_samples > 0 and not ids:
+                tokenizer = _load_tokenizer(tokenizer_path)
+                if tokenizer is not None:
+                    print(f"(decoded with the tokenizer in {tokenizer_path}; --ids prints token ids)")
             print("\n".join(summarize(reader, num_samples, tokenizer)))
         else:
             print(f"trajectories: none ({TRAJECTORY_FILE} not found)")
@@ -152,11 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="the run directory (output_dir/name)")
     parser.add_argument("--samples", type=int, default=3, help="samples to print (the last rows)")
     parser.add_argument("--tokenizer", type=Path, default=None,
-                        help="tokenizer directory for decoding (default: RUN_DIR/model if present)")
+                        help="tokenizer directory for decoding (default: RUN_DIR/model if present, "
+                             "else the run's own model directory from RUN_DIR/config.yaml)")
+    parser.add_argument("--ids", action="store_true", help="print token ids, not decoded text")
     parser.add_argument("--plot", action="store_true", help="write RUN_DIR/curves.png")
     args = parser.parse_args(argv)
     try:
-        run(args.run_dir, max(0, args.samples), args.tokenizer, args.plot)
+        run(args.run_dir, max(0, args.samples), args.tokenizer, args.plot, args.ids)
     except InspectError as e:
         print(f"inspect: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,8 @@
 """The main job: what submitit runs, locally or inside the Slurm allocation.
 
 `run_job` starts (or joins) Ray, runs the RL loop, prints the summary and returns a small dict.
+Unless `logging.verbose`, everything the libraries print goes to RUN_DIR/logs/job.log and the
+console shows the step lines, progress, the summary and errors (`rl.console`).
 A stop signal checkpoints and raises `Requeue`, which the Slurm layer turns into a requeue and the
 local launcher into exit status EXIT_REQUEUE.
 """
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 from rl.config import Config
+from rl.console import job_log
 from rl.signals import StopRequest
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,8 @@ def summary(cfg: Config, result) -> str:
              f"held-out greedy accuracy: warm start {ws} -> final {fin}",
              f"run directory:  {run_dir}",
              f"checkpoints:    {run_dir / 'checkpoints'}",
+             f"logs:           {run_dir / 'driver.log'} (driver)"
+             + ("" if cfg.logging.verbose else f", {job_log(run_dir)} (libraries, workers)"),
              f"trajectories:   {run_dir / 'trajectories.h5'}  (python -m launch.inspect {run_dir})",
              f"TensorBoard:    tensorboard --logdir {run_dir / 'tensorboard'}", "=" * 72]
     return "\n".join(lines)
@@ -58,20 +63,27 @@ def run_job(cfg: Config, resume: bool = True, force: bool = False,
             stop: StopRequest | None = None) -> dict:
     """`stop`: an already installed StopRequest (the Slurm job installs one before Ray starts so
     that an early signal is not lost); by default one is installed here."""
+    from rl.console import job_console
+    with job_console(cfg.run_dir, cfg.logging.verbose):
+        return _run_job(cfg, resume, force, stop)
+
+
+def _run_job(cfg: Config, resume: bool, force: bool, stop: StopRequest | None) -> dict:
     from launch.common import quiet_libraries
+    from rl.console import say
     from rl.loop import run
     quiet_libraries()
     stop = (stop or StopRequest()).install()
     restart_count = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     lifecycle(cfg, "start", restart_count=restart_count, job_id=os.environ.get("SLURM_JOB_ID"))
     if restart_count:
-        print(f"restart {restart_count} of Slurm job {os.environ.get('SLURM_JOB_ID')}", flush=True)
+        say(f"restart {restart_count} of Slurm job {os.environ.get('SLURM_JOB_ID')}")
     if cfg.cluster.kind == "local":
         start_local_ray(cfg)
         stop.install()  # again: ray.init replaced the SIGTERM handler with sys.exit
     result = run(cfg, resume=resume, force=force, stop=stop)
     lifecycle(cfg, result.status, step=result.step, reason=stop.signal_name)
-    print(summary(cfg, result), flush=True)
+    say(summary(cfg, result))
     out = {"status": result.status, "step": result.step, "run_dir": result.run_dir,
            "warm_start_accuracy": result.warm_start_accuracy,
            "final_accuracy": result.final_accuracy}

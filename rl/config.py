@@ -416,6 +416,10 @@ class LoggingConfig:
     print_every: int = 1
     """Print the driver's step line every N steps (evaluation steps and the last step always);
     metrics.jsonl gets every step."""
+    verbose: bool = False
+    """Print everything the job's libraries write (vLLM, Ray workers, DeepSpeed, transformers,
+    warnings) on the console. Off: the console shows the step lines, progress, the summary and
+    errors, and the rest goes to RUN_DIR/logs/job.log."""
 
     def __post_init__(self) -> None:
         _positive(self, "print_every")

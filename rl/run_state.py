@@ -18,6 +18,7 @@ import yaml
 
 from rl.checkpoint import CheckpointManager
 from rl.config import Config, ConfigError, save_config, to_dict
+from rl.console import say
 from rl.data.datasets import build_datasets, prompt_ids
 from rl.data.sampler import PromptSampler
 from rl.evaluate import evaluate
@@ -138,7 +139,7 @@ class RunContext:
             purge = self.state.step + 1
             log.info("resumed from %s (step %d, weight version %d)", path, self.state.step,
                      self.state.weight_version)
-            print(f"resuming {self.run_dir} from checkpoint step {self.state.step}", flush=True)
+            say(f"resuming {self.run_dir} from checkpoint step {self.state.step}")
         self.metrics = MetricsLogger(self.run_dir, enabled=cfg.logging.tensorboard, purge_step=purge)
         self.log(self.state.step, restart_metrics(self.run_dir))
         if cfg.logging.hdf5:
@@ -229,6 +230,7 @@ class RunContext:
                 "reward/mean": statistics.fmean(total),
                 "reward/std": statistics.pstdev(total) if len(total) > 1 else 0.0,
                 "reward/failures": float(self.rewards.failures),
+                "reward/format": statistics.fmean(parts.format),
                 "rollout/accuracy": sum(c >= 1.0 for c in parts.correctness) / len(samples),
                 "rollout/response_length": statistics.fmean(lengths),
                 "rollout/tokens_per_s": sum(lengths) / max(seconds, 1e-9)}
@@ -254,7 +256,7 @@ class RunContext:
                 version_spans=[s.spans() for s in samples], staleness=lags)
         last = step == self.cfg.num_steps
         if step % self.cfg.logging.print_every == 0 or last or "eval/pass1" in metrics:
-            print(format_step(self.cfg, step, metrics), flush=True)
+            say(format_step(self.cfg, step, metrics))
 
     def save_checkpoint(self, pending: list[dict] = ()) -> Path:
         """`pending`: the rollout pipeline's batches generated ahead (`RolloutPipeline.state_dict`)."""
@@ -308,11 +310,23 @@ def restart_metrics(run_dir: Path) -> dict[str, float]:
 
 
 def format_step(cfg: Config, step: int, m: dict) -> str:
-    parts = [f"step {step:>4}/{cfg.num_steps}",
-             f"reward {m.get('reward/mean', 0):.3f}", f"acc {m.get('rollout/accuracy', 0):.3f}",
-             f"len {m.get('rollout/response_length', 0):.1f}", f"loss {m.get('train/loss', 0):+.4f}",
-             f"kl {m.get('train/approx_kl', 0):.4f}", f"gnorm {m.get('train/grad_norm', 0):.3f}",
-             f"sync {m.get('sync/seconds', 0):.2f}s"]
+    """The console line of one step, from its metrics (METRIC_TAGS names).
+
+    `acc` (the verifier's) is shown only where it can differ from `reward`: a built-in 0/1
+    verifier alone makes them the same number. `format` (the format reward before its weight)
+    only when `reward.format_weight` > 0; `trunc` is the fraction cut at max_new_tokens.
+    """
+    r = cfg.reward
+    parts = [f"step {step:>4}/{cfg.num_steps}", f"reward {m.get('reward/mean', 0):.3f}"]
+    if r.format_weight > 0 or r.function not in ("math", "exact"):
+        parts.append(f"acc {m.get('rollout/accuracy', 0):.3f}")
+    if r.format_weight > 0:
+        parts.append(f"format {m.get('reward/format', 0):.3f}")
+    parts += [f"len {m.get('rollout/response_length', 0):.1f}",
+              f"trunc {m.get('rollout/truncated_frac', 0):.2f}",
+              f"{m.get('rollout/tokens_per_s', 0):.0f} tok/s",
+              f"loss {m.get('train/loss', 0):+.4f}", f"kl {m.get('train/approx_kl', 0):.4f}",
+              f"gnorm {m.get('train/grad_norm', 0):.3f}", f"sync {m.get('sync/seconds', 0):.2f}s"]
     if cfg.algorithm.max_staleness:
         parts.append(f"stale {m.get('rollout/staleness_mean', 0):.2f} idle trainer "
                      f"{m.get('trainer/idle_ratio', 0):.2f} rollout "

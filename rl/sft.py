@@ -20,23 +20,38 @@ from pathlib import Path
 import torch
 
 from rl.config import Config, to_dict
+from rl.console import say
 from rl.data.datasets import build_datasets, format_prompt
-from rl.models.loading import load_model, load_tokenizer, resolve_model_dir
+from rl.models.loading import DEFAULT_CACHE_ROOT, load_model, load_tokenizer, resolve_model_dir
 from rl.models.presets import save_model
 
 log = logging.getLogger(__name__)
 
 
-def _key(cfg: Config) -> str:
-    blob = json.dumps({"model": to_dict(cfg.model), "data": to_dict(cfg.data),
-                       "sft": {k: v for k, v in to_dict(cfg.sft).items() if k != "cache_dir"},
-                       "seed": cfg.seed, "format": 1}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+def _sft_dir(config: dict) -> Path:
+    """`sft_dir` of a resolved config as a dict (`to_dict(cfg)`, or a run's config.yaml)."""
+    model, sft = config["model"], config["sft"]
+    blob = json.dumps({"model": model, "data": config["data"],
+                       "sft": {k: v for k, v in sft.items() if k != "cache_dir"},
+                       "seed": config["seed"], "format": 1}, sort_keys=True)
+    name = model["preset"] if model.get("path") is None else Path(model["path"]).name
+    return Path(sft["cache_dir"]) / f"{name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
 def sft_dir(cfg: Config) -> Path:
-    name = cfg.model.preset if cfg.model.path is None else Path(cfg.model.path).name
-    return Path(cfg.sft.cache_dir) / f"{name}-{_key(cfg)}"
+    return _sft_dir(to_dict(cfg))
+
+
+def run_model_dir(config: dict) -> Path:
+    """The model directory a run started from, from its resolved config as a dict (RUN_DIR/
+    config.yaml), without building anything: what `warm_start_dir` returned for that run.
+    Relative paths are relative to the directory the run was started from."""
+    model = config["model"]
+    if model.get("warm_start"):
+        return _sft_dir(config)
+    if model.get("path") is not None:
+        return Path(model["path"])
+    return DEFAULT_CACHE_ROOT / f"{model['preset']}-seed{model['seed']}"
 
 
 def warm_start_dir(cfg: Config) -> Path:
@@ -45,9 +60,17 @@ def warm_start_dir(cfg: Config) -> Path:
         return resolve_model_dir(cfg.model)
     out = sft_dir(cfg)
     if (out / "config.json").is_file():
+        say(f"SFT warm start: reusing {out} ({_cached_accuracy(out)})")
         return out
     run_sft(cfg)
     return out
+
+
+def _cached_accuracy(out: Path) -> str:
+    try:
+        return f"greedy eval accuracy {json.loads((out / 'sft.json').read_text())['eval_accuracy']:.3f}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "accuracy not recorded"
 
 
 def _encode(tok, cfg: Config, examples) -> list[tuple[list[int], list[int]]]:
@@ -99,8 +122,8 @@ def run_sft(cfg: Config) -> tuple[Path, float]:
         return 0.5 * (1 + math.cos(math.pi * (step - s.warmup_steps) / max(s.steps - s.warmup_steps, 1)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    print(f"SFT warm start: {s.steps} steps x {s.batch_size} examples on {len(train)} prompts "
-          f"(model {base})", flush=True)
+    say(f"SFT warm start: training {s.steps} steps x {s.batch_size} examples on {len(train)} "
+        f"prompts (model {base}); cached for later runs")
     t0 = time.perf_counter()
     for step in range(s.steps):
         batch = [data[rng.randrange(len(data))] for _ in range(s.batch_size)]
@@ -118,8 +141,9 @@ def run_sft(cfg: Config) -> tuple[Path, float]:
         opt.step()
         sched.step()
         if (step + 1) % 50 == 0 or step == 0:
-            print(f"  sft step {step + 1:>4}/{s.steps}  loss {loss.item():.4f}  "
-                  f"{time.perf_counter() - t0:.0f}s", flush=True)
+            # Progress goes to the log: the console shows one line when it starts, one when done.
+            log.info("sft step %4d/%d  loss %.4f  %.0fs", step + 1, s.steps, loss.item(),
+                     time.perf_counter() - t0)
     accuracy = greedy_accuracy(model, tok, cfg, evals[: cfg.eval.num_prompts], cfg.rollout.max_new_tokens)
     out = sft_dir(cfg)
     tmp = out.with_name(f".tmp-{out.name}-{uuid.uuid4().hex[:6]}")
@@ -131,6 +155,6 @@ def run_sft(cfg: Config) -> tuple[Path, float]:
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    print(f"SFT done in {time.perf_counter() - t0:.0f}s: greedy eval accuracy {accuracy:.3f} "
-          f"-> {out}", flush=True)
+    say(f"SFT done in {time.perf_counter() - t0:.0f}s: greedy eval accuracy {accuracy:.3f} "
+        f"-> {out}")
     return out, accuracy

@@ -30,6 +30,8 @@ METRIC_TAGS: dict[str, str] = {
     "reward/std": "Std of the rewards over the step's rollout batch.",
     "reward/failures": "Samples whose reward function raised or timed out (scored 0) [count].",
     "reward/zero_std_frac": "Fraction of prompt groups with identical rewards (zero advantage).",
+    "reward/format": "Mean format reward of the step's rollout batch, before reward.format_weight "
+                     "(1 = the answer in the expected form).",
     "rollout/accuracy": "Fraction of samples judged correct by the verifier.",
     "rollout/response_length": "Mean response length [tokens].",
     "rollout/truncated_frac": "Fraction of responses cut at max_new_tokens (finish reason 'length').",

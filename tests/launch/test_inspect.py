@@ -46,15 +46,19 @@ def test_plot_writes_png(run_dir, capsys):
     assert f"wrote {png}" in capsys.readouterr().out
 
 
-@pytest.mark.slow  # imports transformers (~10 s on 2 cores)
-def test_decodes_with_run_dir_model_tokenizer(run_dir, tmp_path, capsys):
+def _save_word_tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "one": 1, "plus": 2, "two": 3, **{f"w{i}": i for i in range(4, 60)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
+
+
+@pytest.mark.slow  # imports transformers (~10 s on 2 cores)
+def test_decodes_with_run_dir_model_tokenizer(run_dir, tmp_path, capsys):
+    _save_word_tokenizer(tmp_path / "tok")
     linked = tmp_path / "linked_run"
     linked.mkdir()
     (linked / "trajectories.h5").symlink_to(run_dir / "trajectories.h5")
@@ -66,6 +70,38 @@ def test_decodes_with_run_dir_model_tokenizer(run_dir, tmp_path, capsys):
     assert main([str(run_dir), "--samples", "1", "--tokenizer", str(tmp_path / "nope")]) == 0
     out = capsys.readouterr().out
     assert "no tokenizer from" in out and "response: ids 50 51" in out
+
+
+@pytest.mark.slow  # imports transformers and torch (~15 s on 2 cores)
+def test_decodes_with_the_runs_own_warm_start_tokenizer(run_dir, tmp_path, capsys, monkeypatch):
+    """A run directory as the loop leaves it (no RUN_DIR/model): the tokenizer is the one of the
+    model the run started from, found through RUN_DIR/config.yaml, whose relative paths are
+    relative to where the run was started, not to where inspect runs."""
+    import yaml
+
+    from rl.config import load_config, save_config, to_dict
+    from rl.sft import run_model_dir, sft_dir
+
+    repo = tmp_path / "repo"
+    run = repo / "checkpoints" / "demo"
+    run.mkdir(parents=True)
+    (run / "trajectories.h5").symlink_to(run_dir / "trajectories.h5")
+    cfg = load_config(REPO / "configs" / "local.yaml", ["output_dir=checkpoints"])
+    save_config(cfg, run / "config.yaml")
+    assert not sft_dir(cfg).is_absolute()  # checkpoints/sft/tiny-qwen3-moe-<key>
+    _save_word_tokenizer(repo / sft_dir(cfg))
+    monkeypatch.chdir(tmp_path)  # not the directory the run started from
+    assert main([str(run), "--samples", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"decoded with the tokenizer in {repo / sft_dir(cfg)}" in out
+    assert "prompt:   'one plus two'" in out and "response: 'w50 w51'" in out
+    assert main([str(run), "--samples", "1", "--ids"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt:   ids 1 2 3" in out and "response: ids 50 51" in out and "decoded" not in out
+    # Without a warm start the run started from the model itself: the preset's directory.
+    plain = load_config(REPO / "configs" / "local.yaml", ["model.warm_start=false"])
+    assert run_model_dir(yaml.safe_load(yaml.safe_dump(to_dict(plain)))) == \
+        Path("checkpoints/models/tiny-qwen3-moe-seed0")
 
 
 def test_tensorboard_only_run(tmp_path, capsys):
