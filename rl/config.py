@@ -185,6 +185,10 @@ class RolloutConfig:
     updates."""
     quantization: Literal["none", "fp8"] = "none"
     """`fp8` on GPU clusters (vLLM's FP8 path has no CPU kernel)."""
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8"] = "auto"
+    """The engine's KV cache: `auto` (the engine's dtype: bf16 on GPUs, fp32 on CPU), `bfloat16`,
+    or `fp8` (e4m3 with scales; the vllm engine only). The same key sizes the KV cache in the
+    memory plan (`launch.plan`: auto and bfloat16 are 2 bytes per value, fp8 one)."""
     n_samples: int = 8
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -225,6 +229,9 @@ class RolloutConfig:
     """`native` with quantization fp8: round block scales up to powers of two."""
 
     def __post_init__(self) -> None:
+        _check(self.kv_cache_dtype != "fp8" or self.engine == "vllm", "kv_cache_dtype",
+               self.kv_cache_dtype, f"'auto' or 'bfloat16' with engine {self.engine!r} (an FP8 KV "
+               "cache exists only in the vllm engine)")
         _positive(self, "num_engines", "tensor_parallel_size", "n_samples", "max_new_tokens",
                   "max_model_len", "cpu_kvcache_gb", "max_batch_size")
         if self.fp8_keep_bf16 is not None:
@@ -523,8 +530,6 @@ class PlanConfig:
     """The trainer's attention kernel for the activation estimate. `auto`: what transformers runs
     (eager for deepseek_v4, whose (heads x S x S) scores are counted; SDPA otherwise). `fused`:
     an O(S)-memory kernel (flash-style)."""
-    kv_cache_dtype: Literal["bfloat16", "fp8"] = "bfloat16"
-    """The rollout engine's KV-cache dtype (vLLM's default `auto` is the model dtype, bfloat16)."""
     overhead_gb: float = 5.0
     """Per-GPU memory outside the estimate: CUDA context, NCCL buffers, allocator slack; on the
     rollout side also vLLM's profiled activation peak and CUDA graphs."""
@@ -673,6 +678,10 @@ def _convert(value: Any, tp: Any, where: str, key: str) -> Any:
     raise TypeError(f"unsupported config type {tp!r} at {key}")
 
 
+# Keys that moved: an old config gets one line saying where, instead of "unknown key".
+MOVED_KEYS = {"plan.kv_cache_dtype": "rollout.kv_cache_dtype"}
+
+
 def _build(cls: type, data: dict, where: "str | typing.Callable[[str], str]",
            prefix: str = "") -> Any:
     """`where`: the source named in errors, or a function from a dotted key to its source."""
@@ -681,6 +690,9 @@ def _build(cls: type, data: dict, where: "str | typing.Callable[[str], str]",
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names and full in MOVED_KEYS:
+            raise ConfigError(f"{_source(where, full)}:{full}: this key moved to "
+                              f"{MOVED_KEYS[full]} (same values)")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""

@@ -61,7 +61,7 @@ def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
                               max_new_tokens=cfg.rollout.max_new_tokens, seed=0)
     pipe = RolloutPipeline(ctx, sampling, ctx.pending)
     bound = cfg.algorithm.max_staleness
-    busy_before = rt.engine_busy_seconds()
+    busy_before = ctx.engine_busy_seconds()
     while state.step < cfg.num_steps and not stop.requested:
         step = state.step + 1
         t_step = time.perf_counter()
@@ -125,7 +125,7 @@ def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
         # 8. log, trajectories, checkpoint
         state.step = step
         t_total = time.perf_counter() - t_step
-        busy = rt.engine_busy_seconds()
+        busy = ctx.engine_busy_seconds()
         metrics.update(train_stats)
         metrics.update(ctx.rollout_metrics(samples, parts, batch.seconds))
         metrics.update({"sync/seconds": sync_stats.get("seconds", 0.0),
@@ -139,7 +139,9 @@ def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
                         "rollout/dropped_samples": float(state.dropped_samples),
                         "rollout/resumed_frac": sum(len(s.version_spans) > 1 for s in samples)
                         / max(len(samples), 1),
-                        "rollout/idle_ratio": max(0.0, 1.0 - (busy - busy_before) / t_total),
+                        # (an engine restarted this step starts its busy count at 0: clamp)
+                        "rollout/idle_ratio": min(1.0, max(0.0, 1.0 - (busy - busy_before)
+                                                           / t_total)),
                         "trainer/idle_ratio": max(0.0, 1.0 - (t_train + t_sync) / t_total),
                         "faults/rollout_restarts": float(rt.restarts + state.restarts_before),
                         "faults/skipped_steps": float(state.skipped_steps),

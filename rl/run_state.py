@@ -22,6 +22,7 @@ from rl.console import say
 from rl.data.datasets import build_datasets, prompt_ids
 from rl.data.sampler import PromptSampler
 from rl.evaluate import evaluate
+from rl.faults import FaultInjector
 from rl.metrics.tensorboard import MetricsLogger
 from rl.metrics.trajectories import TrajectoryWriter
 from rl.rewards.computer import RewardComputer
@@ -105,7 +106,7 @@ class RunContext:
         self.rewards = RewardComputer(cfg.reward)
         self.eval_rewards = RewardComputer(cfg.reward)
         self.runtime: Runtime | None = None
-        self.logprob_diffs: list[float] = []
+        self.faults = FaultInjector()
         self.metrics: MetricsLogger | None = None
         self.trajectories: TrajectoryWriter | None = None
         self.pending: list[dict] = []
@@ -158,12 +159,31 @@ class RunContext:
             path.write_text("".join(line + "\n" for line in keep))
 
     # ---- verbs the loop uses -----------------------------------------------------------------
+    @property
+    def step_in_progress(self) -> int:
+        return self.state.step + 1
+
+    def _with_engines(self, point: str, fn, step: int | None = None):
+        """`fn()`, a call that needs every engine; if one died, it is restarted, brought to the
+        current weights, and `fn` runs again (at most twice more). `point` names the call for
+        fault injection (`rl.faults`)."""
+        self.faults.at(point, self.step_in_progress if step is None else step, self.runtime)
+        for attempt in range(3):
+            try:
+                return fn()
+            except ActorDied as e:
+                if attempt == 2:
+                    raise
+                log.warning("%s: a rollout engine died (%s); restarting it and retrying", point, e)
+                self.runtime.restart_dead_engines(self.state.weight_version)
+
     def collect(self, gen, prompt_ids, sampling, seed, retries: int = 2):
         """(samples per prompt, seconds) of a generation in flight (`Runtime.generate_async`).
 
         A dead engine is restarted, brought to the trainer's weights, and the generation run
         again (the samples then carry the version the driver last published).
         """
+        self.faults.at("generate", self.step_in_progress, self.runtime)
         for attempt in range(retries + 1):
             try:
                 return gen.result(), gen.seconds
@@ -175,25 +195,26 @@ class RunContext:
                 gen = self.runtime.generate_async(prompt_ids, sampling, seed)
 
     def sync(self, version: int) -> dict:
-        for attempt in range(3):
-            try:
-                stats = self.runtime.sync(version)
-                break
-            except (ActorDied, SyncError) as e:
-                # A rollout engine died (before or during the update): replace it; the
-                # replacement is brought to `version` as part of the restart.
-                if attempt == 2 or not self.runtime.restart_dead_engines(version):
-                    raise
-                log.warning("weight sync failed (%s); engines restarted and re-synced", e)
-                stats = {"seconds": 0.0, "bytes": 0, "gbytes_per_s": 0.0}
-                break
+        self.faults.at("sync", self.step_in_progress, self.runtime)
+        try:
+            stats = self.runtime.sync(version)
+        except (ActorDied, SyncError) as e:
+            # A rollout engine died (before or during the update): replace it; the replacement
+            # is brought to `version` as part of the restart. Anything else is fatal.
+            if not self.runtime.restart_dead_engines(version):
+                raise
+            log.warning("weight sync failed (%s); engines restarted and re-synced", e)
+            stats = {"seconds": 0.0, "bytes": 0, "gbytes_per_s": 0.0}
         self.state.weight_version = version
-        versions = self.runtime.engine_versions()
+        versions = self._with_engines("versions", self.runtime.engine_versions)
         if any(v != version for v in versions):
             raise RuntimeError(f"weight sync: engines report versions {versions}, expected {version}")
         if self.cfg.sync.check_logprobs:
             stats["logprob_max_diff"] = self.check_logprobs()
         return stats
+
+    def engine_busy_seconds(self) -> float:
+        return self._with_engines("busy_poll", self.runtime.engine_busy_seconds)
 
     def check_logprobs(self) -> float:
         """Max |trainer - engine| log-prob over a fixed probe sequence: proves the weights arrived."""
@@ -203,9 +224,10 @@ class RunContext:
         response = response + [self.tokenizer.eos_token_id]
         ref = self.runtime.score_trainer([prompt], [response])[0]
         worst = 0.0
-        for engine_scores in self.runtime.score_engines([prompt], [response]):
+        scores = self._with_engines("probe",
+                                    lambda: self.runtime.score_engines([prompt], [response]))
+        for engine_scores in scores:
             worst = max(worst, max(abs(a - b) for a, b in zip(ref, engine_scores[0])))
-        self.logprob_diffs.append(worst)
         if worst > self.cfg.sync.check_logprobs_tol:
             raise RuntimeError(f"after the weight sync the rollout engine's log-probs differ from the "
                                f"trainer's by {worst:.2e} (> sync.check_logprobs_tol "
@@ -214,9 +236,10 @@ class RunContext:
 
     def evaluate(self, step: int) -> dict:
         cfg = self.cfg
-        metrics = evaluate(self.runtime, self.eval_prompt_ids, self.eval_set, self.eval_rewards,
-                           self.tokenizer, cfg.rollout.max_new_tokens, cfg.eval.pass_k,
-                           cfg.eval.pass_k_temperature, seed=10_007 + step)
+        metrics = self._with_engines("evaluate", lambda: evaluate(
+            self.runtime, self.eval_prompt_ids, self.eval_set, self.eval_rewards, self.tokenizer,
+            cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.eval.pass_k_temperature,
+            seed=10_007 + step), step=step)
         self.state.last_eval = metrics
         return metrics
 

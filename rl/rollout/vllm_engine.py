@@ -49,7 +49,9 @@ def engine_kwargs(model_dir: str | Path, cfg: RolloutConfig, device: torch.devic
         quantization="fp8" if cfg.quantization == "fp8" else None,
         max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
         worker_extension_cls=EXTENSION, logprobs_mode="raw_logprobs",
-        enable_prefix_caching=True, disable_log_stats=True)
+        enable_prefix_caching=True, disable_log_stats=True,
+        # One setting for the engine and the memory plan (rl.plan reads the same key).
+        kv_cache_dtype=cfg.kv_cache_dtype)
     if has_tokenizer(model_dir):
         kwargs["tokenizer"] = str(model_dir)
     else:

@@ -73,3 +73,24 @@ def test_killed_rollout_engine_is_restarted_and_resynced(tmp_path, ray_local):
     assert result.history[-1]["faults/rollout_restarts"] == 1
     # After the restart the new engine holds the trainer's exact weights (checked every sync).
     assert all(m["sync/logprob_max_diff"] <= 1e-3 for m in read_metrics(cfg.run_dir))
+
+
+def test_engine_death_at_every_point_the_driver_talks_to_it(tmp_path, ray_local, monkeypatch):
+    """Rollout engine 0 is killed right before each call the driver makes to the engines (the
+    warm-start and periodic evaluation, collecting a rollout, the weight update, the version
+    check, the log-prob probe, the busy-time poll): each time it is restarted, brought to the
+    current weights, and the call retried; the run completes. HF engine: restarts are cheap."""
+    from rl.faults import ENV, POINTS
+    from rl.loop import run
+    kills = ["evaluate:0", "generate:1", "sync:1", "versions:1", "probe:2", "busy_poll:2",
+             "evaluate:2"]
+    assert {k.split(":")[0] for k in kills} == set(POINTS)
+    monkeypatch.setenv(ENV, ",".join(kills))
+    cfg = make_cfg(tmp_path, "engine-points", "num_steps=2", "eval.every=2",
+                   "rollout.engine=hf", "checkpoint.every=0")
+    result = run(cfg)
+    assert result.status == "done" and result.step == 2
+    assert result.history[-1]["faults/rollout_restarts"] == len(kills)
+    assert "eval/pass1" in result.history[-1] and result.warm_start_accuracy is not None
+    # Every restart ended with the engine holding the trainer's exact weights.
+    assert all(m["sync/logprob_max_diff"] <= 1e-3 for m in read_metrics(cfg.run_dir))

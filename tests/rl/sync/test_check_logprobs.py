@@ -6,8 +6,9 @@ import pytest
 
 from rl.config import load_config
 from rl.data import Example
+from rl.faults import FaultInjector
 from rl.models.tokenizer import build_char_tokenizer
-from rl.run_state import RunContext
+from rl.run_state import DriverState, RunContext
 
 
 class OffsetRuntime:
@@ -32,15 +33,14 @@ def context(runtime, tol):
     ctx.tokenizer = build_char_tokenizer()
     ctx.eval_set, ctx.eval_prompt_ids = [Example(prompt="2+3=", answer="5", meta={})], [[7, 8, 9]]
     ctx.train, ctx.train_prompt_ids = [], []
-    ctx.runtime, ctx.logprob_diffs = runtime, []
+    ctx.runtime, ctx.faults, ctx.state = runtime, FaultInjector(""), DriverState()
     return ctx
 
 
-def test_engines_within_tolerance_pass_and_the_worst_difference_is_logged():
+def test_engines_within_tolerance_pass_and_the_worst_difference_is_returned():
     runtime = OffsetRuntime(2e-4, -6e-4)
     ctx = context(runtime, 1e-3)
     assert ctx.check_logprobs() == pytest.approx(6e-4)
-    assert ctx.logprob_diffs == [pytest.approx(6e-4)]
     # The probe: the first eval prompt, its answer's tokens and EOS.
     tok = ctx.tokenizer
     assert runtime.asked[0] == ([[7, 8, 9]], [tok("5", add_special_tokens=False)["input_ids"]

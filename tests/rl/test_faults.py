@@ -1,0 +1,24 @@
+import pytest
+
+from rl.faults import FaultInjector, parse
+
+
+def test_parse_and_fire_once():
+    assert parse("evaluate:2, probe:0,") == {("evaluate", 2), ("probe", 0)}
+    with pytest.raises(ValueError, match="expected POINT:STEP"):
+        parse("train:1")
+
+    class Engine:
+        kills = 0
+
+        def kill(self):
+            Engine.kills += 1
+
+    runtime = type("R", (), {"engines": [Engine()]})()
+    inj = FaultInjector("sync:1")
+    inj.at("sync", 2, runtime)
+    inj.at("probe", 1, runtime)
+    assert Engine.kills == 0
+    inj.at("sync", 1, runtime)
+    inj.at("sync", 1, runtime)
+    assert Engine.kills == 1
