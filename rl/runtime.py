@@ -167,7 +167,9 @@ class Runtime:
         env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", ""),
                "OMP_NUM_THREADS": str(self.cfg.trainer.torch_threads),
                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-               "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+               "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+               # fault-injection hooks (tests) reach the workers
+               **{k: v for k, v in os.environ.items() if k.startswith("RL_FAULT_")}}
         return {k: v for k, v in env.items() if v}
 
     def _start(self, spec: GroupSpec, cls, args_for, on_placed=None):
