@@ -31,7 +31,7 @@ def _stream(path: Path, pos: int) -> int:
 
 def run_local(cfg, args) -> int:
     import submitit
-    from launch.job import run_job
+    from launch.job import exit_status, run_job
     folder = cfg.run_dir / "submitit"
     folder.mkdir(parents=True, exist_ok=True)
     executor = submitit.LocalExecutor(folder=str(folder))
@@ -57,8 +57,7 @@ def run_local(cfg, args) -> int:
     _stream(job.paths.stdout, out_pos)
     _stream_errors(job.paths.stderr, err_pos)
     try:
-        job.result()
-        return 0
+        result = job.result()
     except Exception as e:  # noqa: BLE001 - submitit wraps the job's exception
         text = str(e)
         if "Requeue" in text:
@@ -69,6 +68,7 @@ def run_local(cfg, args) -> int:
             fail("config error: " + line.split("ConfigError:", 1)[-1].strip())
         print(f"job failed; full log: {job.paths.stderr}", file=sys.stderr)
         return 1
+    return exit_status(result)
 
 
 def _stream_errors(path: Path, pos: int) -> int:
