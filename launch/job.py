@@ -4,7 +4,8 @@
 Unless `logging.verbose`, everything the libraries print goes to RUN_DIR/logs/job.log and the
 console shows the step lines, progress, the summary and errors (`rl.console`).
 A stop signal checkpoints and raises `Requeue`, which the Slurm layer turns into a requeue and the
-local launcher into exit status EXIT_REQUEUE.
+local launcher into exit status EXIT_REQUEUE. A run that aborted (too many non-finite steps) returns
+normally; `exit_status` maps its dict to EXIT_ABORTED for both launchers.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from rl.config import Config
 from rl.console import job_log
-from rl.signals import StopRequest
+from rl.signals import EXIT_ABORTED, StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,17 @@ def summary(cfg: Config, result) -> str:
              f"trajectories:   {run_dir / 'trajectories.h5'}  (python -m launch.inspect {run_dir})",
              f"TensorBoard:    tensorboard --logdir {run_dir / 'tensorboard'}", "=" * 72]
     return "\n".join(lines)
+
+
+def exit_status(result: dict) -> int:
+    """The launcher's exit status for the dict a finished job returned (`run_job`): EXIT_ABORTED
+    when the run aborted on non-finite steps (after its checkpoint), else 0."""
+    if result.get("status") == "aborted":
+        print(f"run aborted at step {result.get('step')}: too many non-finite steps in a row "
+              f"(checkpoint.max_bad_steps); checkpoint written in {result.get('run_dir')}",
+              file=sys.stderr, flush=True)
+        return EXIT_ABORTED
+    return 0
 
 
 def lifecycle(cfg: Config, event: str, **fields) -> None:

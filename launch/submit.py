@@ -48,7 +48,7 @@ def _stream(path: Path, pos: int, quiet: bool = False, out=None) -> int:
 
 def run_local(cfg, args) -> int:
     import submitit
-    from launch.job import run_job
+    from launch.job import exit_status, run_job
     folder = cfg.run_dir / "submitit"
     folder.mkdir(parents=True, exist_ok=True)
     executor = submitit.LocalExecutor(folder=str(folder))
@@ -85,8 +85,7 @@ def run_local(cfg, args) -> int:
     _stream(job.paths.stdout, out_pos, quiet=not verbose)
     stream_err(err_pos)
     try:
-        job.result()
-        return 0
+        result = job.result()
     except Exception as e:  # noqa: BLE001 - submitit wraps the job's exception
         text = str(e)
         if "Requeue" in text:
@@ -99,6 +98,7 @@ def run_local(cfg, args) -> int:
         where = "" if verbose else f" and {job_log(cfg.run_dir)}"
         print(f"job failed; full log: {job.paths.stderr}{where}", file=sys.stderr)
         return 1
+    return exit_status(result)
 
 
 # Tracebacks run_local reports as one line itself (or that are no error at all).

@@ -94,6 +94,8 @@ class CheckpointManager:
         self.root = Path(run_dir) / "checkpoints"
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep_last, self.keep_every = keep_last, keep_every
+        self.last_seconds: float | None = None
+        """How long the last `save` took [s] (the driver keeps that much of a grace period back)."""
 
     # ---- writing ---------------------------------------------------------------------------
     def save(self, step: int, weight_version: int, config_hash: str,
@@ -119,7 +121,8 @@ class CheckpointManager:
         _fsync_dir(self.root)
         atomic_write_text(self.root / "latest", final.name + "\n")
         self._retain()
-        log.info("checkpoint %s written in %.1fs", final, time.perf_counter() - t0)
+        self.last_seconds = time.perf_counter() - t0
+        log.info("checkpoint %s written in %.1fs", final, self.last_seconds)
         return final
 
     def _retain(self) -> None:

@@ -10,7 +10,6 @@ checkpoint (the caller exits with EXIT_REQUEUE).
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from rl.config import Config
 from rl.pipeline import RolloutPipeline, stale_groups, staleness
 from rl.rollout.base import SamplingParams
 from rl.run_state import RunContext, open_run
-from rl.signals import StopRequest
+from rl.signals import StepAbandoned, StopRequest
 from rl.trainer.losses import grpo_advantages
 
 log = logging.getLogger(__name__)
@@ -59,67 +58,80 @@ def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
     sampling = SamplingParams(n=cfg.rollout.n_samples, temperature=cfg.rollout.temperature,
                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                               max_new_tokens=cfg.rollout.max_new_tokens, seed=0)
-    pipe = RolloutPipeline(ctx, sampling, ctx.pending)
+    pipe = RolloutPipeline(ctx, sampling, ctx.pending, stop)
     bound = cfg.algorithm.max_staleness
     busy_before = ctx.engine_busy_seconds()
     while state.step < cfg.num_steps and not stop.requested:
         step = state.step + 1
         t_step = time.perf_counter()
-        sampler_before = ctx.sampler.state_dict()
-        # 1. the step's rollout batch: generated ahead (max_staleness >= 1) or now; a dead engine
-        #    is restarted, re-synced, and the generation retried
-        t0 = time.perf_counter()
-        batch = pipe.take(step)
-        t_rollout = time.perf_counter() - t0
-        if stop.requested and not batch.ahead:  # abandon: nothing persistent has changed yet
-            ctx.sampler.load_state_dict(sampler_before)
+        before = (ctx.sampler.state_dict(), ctx.rewards.failures, state.dropped_samples)
+        try:  # until training starts, a stop abandons the step: nothing persistent changed yet
+            # 1. the step's rollout batch: generated ahead (max_staleness >= 1) or now; a dead
+            #    engine is restarted, re-synced, and the generation retried
+            t0 = time.perf_counter()
+            batch = pipe.take(step)
+            t_rollout = time.perf_counter() - t0
+            # 2. samples older than max_staleness are dropped (e.g. after lowering it on resume)
+            stale = stale_groups(batch.groups, state.weight_version, bound)
+            if any(stale) and cfg.algorithm.stale_samples == "drop":
+                state.dropped_samples += sum(len(g) for g, old in zip(batch.groups, stale) if old)
+                log.warning("step %d: dropping %d of %d prompt groups older than max_staleness %d",
+                            step, sum(stale), len(stale), bound)
+                keep = [i for i, old in enumerate(stale) if not old]
+                batch.groups = [batch.groups[i] for i in keep]
+                batch.indices = [batch.indices[i] for i in keep]
+                if not keep:  # nothing left to train on: sample the step again, on-policy
+                    batch = pipe.generate_now(step)
+            # 3. the next steps' batches start generating with the current weights
+            pipe.launch_ahead(step, cfg.num_steps)
+            # 4. rewards and advantages
+            t0 = time.perf_counter()
+            samples = batch.samples()
+            lags = staleness(samples, state.weight_version)
+            examples = [ctx.train[i] for i, g in zip(batch.indices, batch.groups) for _ in g]
+            parts = ctx.rewards.score([s.text for s in samples], examples,
+                                      cancelled=lambda: stop.requested)
+            rewards_G = torch.tensor(parts.total, dtype=torch.float32).view(len(batch.groups), -1)
+            adv = grpo_advantages(rewards_G, cfg.algorithm.normalize_std).view(-1).tolist()
+            t_reward = time.perf_counter() - t0
+            if stop.requested:
+                raise StepAbandoned("stop requested before training")
+        except StepAbandoned as e:
+            log.warning("step %d abandoned (%s); checkpointing step %d", step, e, state.step)
+            pipe.abandon()
+            ctx.sampler.load_state_dict(before[0])
+            ctx.rewards.failures, state.dropped_samples = before[1], before[2]
             break
-        # 2. samples older than max_staleness are dropped (e.g. after lowering it on resume)
-        stale = stale_groups(batch.groups, state.weight_version, bound)
-        if any(stale) and cfg.algorithm.stale_samples == "drop":
-            state.dropped_samples += sum(len(g) for g, old in zip(batch.groups, stale) if old)
-            log.warning("step %d: dropping %d of %d prompt groups older than max_staleness %d",
-                        step, sum(stale), len(stale), bound)
-            keep = [i for i, old in enumerate(stale) if not old]
-            batch.groups = [batch.groups[i] for i in keep]
-            batch.indices = [batch.indices[i] for i in keep]
-            if not keep:  # nothing left to train on: sample the step again, on-policy
-                batch = pipe.generate_now(step)
-        # 3. the next steps' batches start generating with the current weights (max_staleness)
-        pipe.launch_ahead(step, cfg.num_steps)
-        # 4. rewards and advantages
-        t0 = time.perf_counter()
-        samples = batch.samples()
-        lags = staleness(samples, state.weight_version)
-        examples = [ctx.train[i] for i, g in zip(batch.indices, batch.groups) for _ in g]
-        parts = ctx.rewards.score([s.text for s in samples], examples)
-        rewards_G = torch.tensor(parts.total, dtype=torch.float32).view(len(batch.groups), -1)
-        adv = grpo_advantages(rewards_G, cfg.algorithm.normalize_std).view(-1).tolist()
-        t_reward = time.perf_counter() - t0
         # 5. train, while the engines generate ahead (a step that has started is finished, then
-        #    checkpointed)
+        #    checkpointed: the trainer ranks cannot be interrupted)
         t0 = time.perf_counter()
         train_batch = {"prompt_ids": [s.prompt_ids for s in samples],
                        "response_ids": [s.response_ids for s in samples],
                        "rollout_logprobs": [s.logprobs for s in samples], "advantages": adv}
         train_stats, old_logprobs = rt.train(train_batch, step)
         t_train = time.perf_counter() - t0
-        bad = not math.isfinite(train_stats.get("train/loss", 0.0)) or train_stats.get(
-            "train/skipped", 0.0) > 0 or not math.isfinite(train_stats.get("train/grad_norm", 0.0))
+        # the ranks skipped (together) any optimizer step with a non-finite loss or gradient
+        bad = train_stats["train/skipped"] > 0
         state.bad_in_a_row = state.bad_in_a_row + 1 if bad else 0
         state.skipped_steps += int(bad)
         # 6. the generations in flight end (finished, or cut at the interrupt budget) before
-        #    the online weight update trainer -> rollout
+        #    the online weight update trainer -> rollout. After a stop they are awaited only as
+        #    long as checkpoint.grace_period_s allows, and the update is left to the resumed run
+        #    (which syncs the engines at its start)
         t0 = time.perf_counter()
         pipe.collect()
         t_rollout += time.perf_counter() - t0
         t0 = time.perf_counter()
-        sync_stats = ctx.sync(state.weight_version + 1)
+        if stop.requested:
+            state.weight_version, sync_stats = state.weight_version + 1, {}
+        else:
+            sync_stats = ctx.sync(state.weight_version + 1)
         t_sync = time.perf_counter() - t0
-        # 7. periodic evaluation
+        # 7. periodic evaluation (skipped after a stop: the checkpoint goes first)
         t0 = time.perf_counter()
         metrics = {}
-        if cfg.eval.every and step % cfg.eval.every == 0 or step == cfg.num_steps:
+        due = cfg.eval.every and step % cfg.eval.every == 0 or step == cfg.num_steps
+        if due and not stop.requested:
             metrics.update(ctx.evaluate(step))
         t_eval = time.perf_counter() - t0
         # 8. log, trajectories, checkpoint

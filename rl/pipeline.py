@@ -20,6 +20,14 @@ resume compute the same thing.
 Batches generated ahead are part of the checkpoint (`state_dict`), with their versions: at a
 checkpoint nothing is in flight (the driver collects before it syncs), and a resumed run trains
 on exactly the samples the uninterrupted run would have.
+
+After a stop request the pipeline gives up waiting (`StepAbandoned`) so that the checkpoint lands
+within `checkpoint.grace_period_s`: before training at once (`abandon` puts the step's batch back
+and the driver rewinds the sampler: the resumed run redoes the step exactly); after training, on
+batches launched ahead, only once the grace left is what the checkpoint write needs (1.5x the last
+write, half the grace period before the first). Such a batch is dropped and its prompts drawn
+again by the resumed run, which generates them with the newer weights: the one place where a
+stopped and resumed run is not bitwise the uninterrupted one (logged).
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import logging
 from dataclasses import dataclass, field
 
 from rl.rollout.base import Sample, SamplingParams, decode_response
+from rl.signals import StepAbandoned, StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -87,16 +96,22 @@ def stale_groups(groups: list[list[Sample]], trainer_version: int, bound: int) -
 class RolloutPipeline:
     """Owns the batches generated ahead of their step; the loop asks it for each step's batch."""
 
-    def __init__(self, ctx, sampling: SamplingParams, state: list[dict] | None = None):
+    def __init__(self, ctx, sampling: SamplingParams, state: list[dict] | None = None,
+                 stop: StopRequest | None = None):
         cfg = ctx.cfg
         self.ctx, self.sampling = ctx, sampling
+        self.stop = stop or StopRequest()
+        self.grace_s = cfg.checkpoint.grace_period_s
         self.seed = cfg.rollout.seed
         self.ahead = cfg.algorithm.max_staleness
         self.mode = cfg.algorithm.partial_rollouts
         self.max_new = sampling.max_new_tokens
         self.budget = cfg.algorithm.partial_tokens or max(1, self.max_new // 2)
         self.pending: list[RolloutBatch] = [RolloutBatch.from_state(d) for d in state or []]
-        self._in_flight: list[tuple[RolloutBatch, object]] = []
+        self._in_flight: list[tuple[RolloutBatch, object, dict]] = []
+        """(batch, generation, sampler state before its prompts were drawn)."""
+        self._taken: dict | None = None
+        """The current step's batch as it was pending (put back if the step is abandoned)."""
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> list[dict]:
@@ -119,11 +134,24 @@ class RolloutPipeline:
         if old:  # cannot happen in a run; guards hand-edited or foreign checkpoints
             log.warning("rollout pipeline: dropping pending batches of past steps %s", old)
             self.pending = [b for b in self.pending if b.step >= step]
+        self._taken = None
         if self.pending and self.pending[0].step == step:
             batch = self.pending.pop(0)
+            self._taken = batch.to_state()
             self._resume_interrupted(batch)
             return batch
         return self.generate_now(step)
+
+    def abandon(self) -> None:
+        """Forget the current step after a stop, before it trained: its batch goes back to
+        `pending` as it was, batches launched ahead are dropped unobserved (the caller rewinds the
+        sampler to the step's start)."""
+        if self._in_flight:
+            self.ctx.runtime.abandoned = True
+        self._in_flight.clear()
+        if self._taken is not None:
+            self.pending.insert(0, RolloutBatch.from_state(self._taken))
+            self._taken = None
 
     def generate_now(self, step: int) -> RolloutBatch:
         """A fresh batch for `step` with the weights the engines hold now (blocks)."""
@@ -131,6 +159,7 @@ class RolloutPipeline:
         batch = RolloutBatch(step=step, indices=indices)
         seed = rollout_seed(self.seed, step)
         gen = self.ctx.runtime.generate_async(self._prompts(indices), self.sampling, seed)
+        self._await(gen, self._stopped)
         batch.groups, batch.seconds = self.ctx.collect(gen, self._prompts(indices), self.sampling,
                                                        seed)
         return batch
@@ -138,20 +167,34 @@ class RolloutPipeline:
     def launch_ahead(self, step: int, last_step: int) -> None:
         """Start generating the batches of steps step+1 .. step+max_staleness (<= last_step) that
         are neither pending nor in flight; prompts are drawn now, in step order."""
-        have = {b.step for b in self.pending} | {b.step for b, _ in self._in_flight}
+        have = {b.step for b in self.pending} | {b.step for b, _, _ in self._in_flight}
         sampling = self.ahead_sampling
         for t in range(step + 1, min(step + self.ahead, last_step) + 1):
             if t in have:
                 continue
+            drawn_from = self.ctx.sampler.state_dict()
             indices = self.ctx.sampler.next_indices(self.ctx.cfg.algorithm.prompts_per_step)
             gen = self.ctx.runtime.generate_async(self._prompts(indices), sampling,
                                                   rollout_seed(self.seed, t))
-            self._in_flight.append((RolloutBatch(step=t, indices=indices, ahead=True), gen))
+            self._in_flight.append((RolloutBatch(step=t, indices=indices, ahead=True), gen,
+                                    drawn_from))
 
     def collect(self) -> None:
-        """Wait for the generations launched ahead (before the weights change under them)."""
+        """Wait for the generations launched ahead (before the weights change under them).
+
+        After a stop request, only while the grace period leaves time for the checkpoint: the
+        rest are dropped and the sampler rewound to before their prompts were drawn."""
         sampling = self.ahead_sampling
-        for batch, gen in self._in_flight:
+        for k, (batch, gen, drawn_from) in enumerate(self._in_flight):
+            try:
+                self._await(gen, self._out_of_grace)
+            except StepAbandoned:
+                dropped = [b.step for b, _, _ in self._in_flight[k:]]
+                log.warning("stop: dropping the unfinished batches of steps %s to checkpoint within "
+                            "checkpoint.grace_period_s; the resumed run generates them again with "
+                            "newer weights", dropped)
+                self.ctx.sampler.load_state_dict(drawn_from)
+                break
             batch.groups, batch.seconds = self.ctx.collect(
                 gen, self._prompts(batch.indices), sampling, rollout_seed(self.seed, batch.step))
             self.pending.append(batch)
@@ -161,6 +204,22 @@ class RolloutPipeline:
     # ---- helpers -----------------------------------------------------------------------------
     def _prompts(self, indices: list[int]) -> list[list[int]]:
         return [self.ctx.train_prompt_ids[i] for i in indices]
+
+    def _stopped(self) -> bool:
+        return self.stop.requested
+
+    def _out_of_grace(self) -> bool:
+        """True once a stop request's grace period has only the checkpoint write's time left."""
+        last = self.ctx.ckpt.last_seconds
+        reserve = 1.5 * last if last is not None else self.grace_s / 2
+        return self.stop.requested and self.stop.seconds_left(self.grace_s) <= reserve
+
+    def _await(self, gen, give_up, poll_s: float = 0.1) -> None:
+        """Blocks until `gen` is done; raises StepAbandoned as soon as `give_up()` says so."""
+        while not gen.wait(poll_s):
+            if give_up():
+                self.ctx.runtime.abandoned = True  # the engines finish it unobserved
+                raise StepAbandoned("stop requested while a generation was in flight")
 
     def _resume_interrupted(self, batch: RolloutBatch) -> None:
         """Continue, with the current weights, every sample the interrupt budget cut short."""
@@ -177,6 +236,7 @@ class RolloutPipeline:
         sampling = dataclasses.replace(self.sampling, n=1, max_new_tokens=budgets.pop())
         seed = resume_seed(self.seed, batch.step)
         gen = self.ctx.runtime.generate_async(prompts, sampling, seed)
+        self._await(gen, self._stopped)
         out, seconds = self.ctx.collect(gen, prompts, sampling, seed)
         batch.seconds += seconds
         tokenizer = self.ctx.tokenizer

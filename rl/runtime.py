@@ -94,6 +94,18 @@ class Generation:
         self.seconds = 0.0
         """Generation wall time (the slowest engine's), set by `result()`."""
 
+    def wait(self, timeout: float) -> bool:
+        """True when every engine has answered (a dead one raises at `result`), within `timeout` s."""
+        deadline = time.monotonic() + timeout
+        for _, f in self._futures:
+            try:
+                f.result(timeout=max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                return False
+            except Exception:  # noqa: BLE001 - answered with an error: `result` raises it
+                pass
+        return True
+
     def result(self) -> list[list[Sample]]:
         per_engine = {i: f.result() for i, f in self._futures}
         self.seconds = max((r["seconds"] for r in per_engine.values()), default=0.0)
@@ -143,6 +155,8 @@ class Runtime:
             rollout_nodes=cfg.cluster.rollout.nodes if slurm else 1)
         self._pgs = []
         self.restarts = 0
+        self.abandoned = False
+        """A generation was given up on (stop request): engines may still be busy with it."""
         t0 = time.perf_counter()
         # Several trainer nodes: the rendezvous is wherever rank 0 landed (else this machine).
         multi_node = slurm and cfg.cluster.trainer.nodes > 1
@@ -180,7 +194,9 @@ class Runtime:
         env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", ""),
                "OMP_NUM_THREADS": str(self.cfg.trainer.torch_threads),
                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-               "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+               "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+               # fault-injection hooks (tests) reach the workers
+               **{k: v for k, v in os.environ.items() if k.startswith("RL_FAULT_")}}
         return {k: v for k, v in env.items() if v}
 
     def _start(self, spec: GroupSpec, cls, args_for, on_placed=None):
@@ -310,6 +326,9 @@ class Runtime:
 
     def shutdown(self) -> None:
         for a in self.engines + self.trainers:
+            if self.abandoned and a in self.engines:
+                a.kill()  # still generating what the driver gave up on: no polite shutdown
+                continue
             try:
                 a.call("shutdown").result(timeout=30)
             except Exception:  # noqa: BLE001 - best effort at teardown

@@ -20,6 +20,11 @@ EXIT_ABORTED = 3
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 
 
+class StepAbandoned(Exception):
+    """A stop request cut the step short before it trained (a generation or the reward scoring
+    given up on): nothing persistent changed, the run checkpoints the previous step."""
+
+
 def shield_worker() -> None:
     """In worker processes (trainer ranks, engines): ignore the stop signals meant for the driver.
 
@@ -69,6 +74,7 @@ class StopRequest:
         return self.signal_name is not None
 
     def seconds_left(self, grace_s: float) -> float:
+        """Of `grace_s` (checkpoint.grace_period_s) after the stop request; inf without one."""
         if self.received_at is None:
             return float("inf")
         return grace_s - (time.monotonic() - self.received_at)

@@ -3,7 +3,7 @@
 `submit_slurm(cfg, args)` builds a `HetJobExecutor` from `cfg.cluster` (submitit folder
 RUN_DIR/submitit), submits `slurm.job.slurm_main`, records the job in RUN_DIR/slurm_job.json and
 prints where to watch it. By default it returns at once; with `--wait` it follows the job through
-its requeues, streaming the job's output, and returns 0 when the run finished.
+its requeues, streaming the job's output, and returns the run's exit status (`wait_for`).
 
 The memory plan check happens before, in `launch.submit` (`launch.plan.check_or_exit`).
 """
@@ -61,8 +61,9 @@ def submit_slurm(cfg: Config, args: argparse.Namespace) -> int:
 
 def wait_for(job: HetJob) -> int:
     """Follows `job` (through requeues) until it ends, streaming its output; returns 0 when the run
-    finished, EXIT_REQUEUE when it stopped with a checkpoint and may not requeue again, else 1.
-    Ctrl-C stops waiting, not the job."""
+    finished, EXIT_ABORTED when it aborted on non-finite steps, EXIT_REQUEUE when it stopped with a
+    checkpoint and may not requeue again, else 1. Ctrl-C stops waiting, not the job."""
+    from launch.job import exit_status
     from launch.submit import _stream, _stream_errors
 
     interrupted = []
@@ -87,8 +88,7 @@ def wait_for(job: HetJob) -> int:
         print(f"\nstopped waiting; job {job.job_id} keeps running", flush=True)
         return 0
     try:
-        job.result()
-        return 0
+        result = job.result()
     except Exception as e:  # noqa: BLE001 - submitit wraps the job's exception in its own
         text = str(e)
         if "RequeueLimit" in text:
@@ -98,3 +98,4 @@ def wait_for(job: HetJob) -> int:
         print(f"job {job.job_id} failed ({job.state}); full log: {job.paths.stderr}",
               file=sys.stderr, flush=True)
         return 1
+    return exit_status(result)

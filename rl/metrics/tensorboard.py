@@ -60,7 +60,9 @@ METRIC_TAGS: dict[str, str] = {
     "train/tis_ratio_max": "Max TIS ratio before the cap (rollout/trainer mismatch outliers).",
     "train/tis_ratio_min": "Min TIS ratio.",
     "train/tis_capped_frac": "Fraction of tokens whose TIS ratio exceeded algorithm.tis_cap.",
-    "train/grad_norm": "Gradient L2 norm before clipping (mean over the step's optimizer steps).",
+    "train/grad_norm": "Gradient L2 norm before clipping (mean over the step's applied optimizer steps).",
+    "train/skipped": "Optimizer steps of this step skipped on every rank for a non-finite loss or "
+                     "gradient (no update, LR schedule not advanced).",
     "train/lr": "Learning rate at the step's last optimizer step.",
     "train/tokens_per_s": "Trained tokens (prompt + response, unpadded) per second of train time.",
     "sync/seconds": "Wall time of the trainer -> rollout weight update [s].",

@@ -11,11 +11,13 @@ import logging
 import math
 import numbers
 from dataclasses import dataclass
+from typing import Callable
 
 from rl.config import RewardConfig
 from rl.data.example import Example
 from rl.rewards.plugin import RewardFn, load_reward_function
 from rl.rewards.verifiers import exact_reward, format_reward, math_reward
+from rl.signals import StepAbandoned
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +74,19 @@ class RewardComputer:
                 log.warning("%s", message)
             return None
 
-    def score(self, responses: list[str], examples: list[Example]) -> RewardBreakdown:
-        """Rewards for `responses[i]` against `examples[i]` (equal lengths)."""
+    def score(self, responses: list[str], examples: list[Example],
+              cancelled: Callable[[], bool] | None = None) -> RewardBreakdown:
+        """Rewards for `responses[i]` against `examples[i]` (equal lengths).
+
+        `cancelled`: checked before each sample; when it returns True, scoring stops with
+        StepAbandoned (a stop request must not wait for a slow reward function)."""
         if len(responses) != len(examples):
             raise ValueError(f"RewardComputer: {len(responses)} responses but "
                              f"{len(examples)} examples; expected one example per response")
         out = RewardBreakdown(total=[], correctness=[], format=[], failed=[])
         for i, (response, example) in enumerate(zip(responses, examples)):
+            if cancelled is not None and cancelled():
+                raise StepAbandoned(f"stop requested while scoring ({i} of {len(responses)} done)")
             correct = self._correctness(i, response, example)
             fmt = format_reward(response, self.cfg.response_format)
             failed = correct is None

@@ -28,6 +28,15 @@ from rl.trainer.microbatch import Micro, micro_batches, pad_batch
 from rl.trainer.weights import WeightSender
 
 
+FAULT_NAN_STEP = "RL_FAULT_NAN_STEP"
+"""Fault injection, for tests only: the environment variable listing RL steps (`2` or `2,4,5`)
+whose losses become NaN on rank 0 (the skip must then happen on every rank)."""
+
+
+def _fault_nan_steps() -> set[int]:
+    return {int(v) for v in os.environ.get(FAULT_NAN_STEP, "").split(",") if v.strip()}
+
+
 @dataclass(kw_only=True, slots=True)
 class RankInfo:
     rank: int
@@ -214,6 +223,7 @@ class TrainerWorker:
         extremes: dict[str, float] = {}
         count = 0
         grad_norms = []
+        skipped = 0
         num_tokens = 0
         rng = random.Random(step * 7919 + 17)
         for epoch in range(self.cfg.ppo_epochs):
@@ -226,6 +236,7 @@ class TrainerWorker:
             for group in groups:
                 group = [mbs[i] for i in group]
                 denom = self._global_denominator(group)
+                finite = True
                 for j, mb in enumerate(group):
                     # Through the engine (not engine.module): DeepSpeed's forward advances ZeRO-3's
                     # micro-step, without which each micro-batch overwrites the last one's grads.
@@ -240,6 +251,9 @@ class TrainerWorker:
                         logp, old_logp[id(mb)], advantages[mb.index].to(self.device), mask,
                         self.algo, rollout_logp=rollout if self.algo.tis_cap is not None else None,
                         ref_logp=ref_logp.get(id(mb)), entropy=ent, agg_denominator=denom)
+                    if self.rank == 0 and step in _fault_nan_steps():
+                        loss = loss * float("nan")  # fault injection (tests): one rank only
+                    finite = finite and bool(torch.isfinite(loss))
                     # DeepSpeed averages gradients over ranks; the denominator is already global.
                     self.engine.backward(loss * mb.weight * self.world_size)
                     if mb.weight > 0:
@@ -252,10 +266,19 @@ class TrainerWorker:
                                 stats_sum[k] = stats_sum.get(k, 0.0) + v
                         count += 1
                         num_tokens += int(mb.attention_mask.sum())
-                self.engine.step()
-                norm = self.engine.get_global_grad_norm()
-                grad_norms.append(float(norm) if norm is not None else float("nan"))
-                self.optimizer_steps += 1
+                # Every rank takes the same branch (the flag is all-reduced), so ZeRO's
+                # collectives stay matched and no rank updates weights the others drop.
+                if self._finite_on_all_ranks(finite and self._local_grads_finite()):
+                    self.engine.step()
+                    applied = self.engine.was_step_applied()  # False: DeepSpeed's own overflow skip
+                else:
+                    self._drop_gradients()
+                    applied = False
+                skipped += not applied
+                norm = self.engine.get_global_grad_norm() if applied else None
+                if norm is not None:  # None: not computed (ZeRO-0)
+                    grad_norms.append(float(norm))
+                self.optimizer_steps += int(applied)
         stats = {f"train/{k}": v / max(count, 1) for k, v in stats_sum.items()}
         stats.update({f"train/{k}": v for k, v in extremes.items()})
         stats["train/tokens_per_s"] = num_tokens / max(time.perf_counter() - t0, 1e-9)
@@ -275,10 +298,56 @@ class TrainerWorker:
                 t /= self.world_size
             out.update(zip(keys, t.tolist()))
         out["train/tokens_per_s"] *= self.world_size
-        out["train/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else 0.0
+        # Over the applied optimizer steps; NaN when none reported one (all skipped, or ZeRO-0).
+        out["train/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
+        out["train/skipped"] = float(skipped)
+        """Optimizer steps skipped (non-finite loss or gradients), the same on every rank."""
         out["train/lr"] = float(self.engine.get_lr()[0])
         out["old_logprobs"] = old_by_sample
         return out
+
+    def _finite_on_all_ranks(self, local: bool) -> bool:
+        import torch.distributed as dist
+        t = torch.tensor([1.0 if local else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item() == 1.0)
+
+    def _local_grads_finite(self) -> bool:
+        """The gradients this rank holds before `engine.step()`: `p.grad` under ZeRO-0/1 (reduced
+        in `step`), this rank's reduced partition under ZeRO-3. (ZeRO-2 partitions are reachable
+        only inside DeepSpeed, whose `step` skips a non-finite global norm itself.)"""
+        from deepspeed.utils import safe_get_local_grad
+        for p in self.engine.module.parameters():
+            if not p.requires_grad:
+                continue
+            g = p.grad if p.grad is not None or not hasattr(p, "ds_id") else safe_get_local_grad(p)
+            if g is not None and g.numel() and not bool(torch.isfinite(g).all()):
+                return False
+        return True
+
+    def _drop_gradients(self) -> None:
+        """Skip the optimizer step on this rank (all ranks do it together), the way DeepSpeed
+        treats an fp16 overflow: no optimizer update (weights and Adam moments untouched), no LR
+        scheduler step, and the accumulated gradients cleared so the next mini-batch starts
+        from zero. Under ZeRO-3 `zero_grad` resets the micro-step counter, so the next backward
+        overwrites the partitions; they are zeroed too so that a parameter without a gradient
+        next time (an unrouted expert) does not carry this step's NaN."""
+        if self.cfg.zero_stage == 0:
+            self.engine.zero_grad()
+            return
+        if self.cfg.zero_stage in (1, 2):
+            # ZeRO-1/2 keep the partitions inside the optimizer: its own step() drops a step
+            # whose global gradient norm is non-finite, and it is one for a non-finite loss.
+            self.engine.step()
+            if self.engine.was_step_applied():
+                raise RuntimeError("ZeRO-%d applied a step with a non-finite loss (its gradients "
+                                   "were finite): use zero_stage 0 or 3" % self.cfg.zero_stage)
+            return
+        from deepspeed.utils import safe_set_local_grad
+        self.engine.optimizer.zero_grad(set_to_none=True)
+        for p in self.engine.module.parameters():
+            if p.requires_grad and hasattr(p, "ds_id"):
+                safe_set_local_grad(p, torch.zeros_like(p.ds_tensor, dtype=torch.float32))
 
     def _global_denominator(self, group: list[Micro]) -> float:
         """Token (or sequence) count of the whole mini-batch over all ranks."""

@@ -2,14 +2,16 @@
 and the requeue limit."""
 import json
 import os
+import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from rl.config import load_config
-from rl.signals import StopRequest
+from rl.signals import EXIT_ABORTED, StopRequest
 from slurm.job import RequeueLimit, _check_requeue_limit
-from slurm.submit import make_executor
+from slurm.submit import make_executor, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 DSV4 = REPO / "configs" / "deepseek_v4_flash_3node.yaml"
@@ -43,3 +45,28 @@ def test_stop_past_max_requeues_ends_with_a_clear_error(tmp_path):
         _check_requeue_limit(cfg, stop, "77", restarts=2, why="stopped on SIGUSR2 at step 4")
     events = [json.loads(x) for x in (cfg.run_dir / "lifecycle.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "requeue_limit" and events[-1]["reason"] == "SIGUSR2"
+
+
+class _FinishedJob:
+    """What `wait_for` reads of a submitit job whose result is already pickled."""
+
+    def __init__(self, tmp_path: Path, result: dict):
+        self.job_id, self.state, self._result = "42", "COMPLETED", result
+        self.paths = SimpleNamespace(stdout=tmp_path / "out", stderr=tmp_path / "err",
+                                     result_pickle=tmp_path / "result.pkl")
+        self.paths.stdout.write_text("step 1/2 ...\n")
+        self.paths.result_pickle.write_bytes(b"")
+
+    def result(self) -> dict:
+        return self._result
+
+
+@pytest.mark.parametrize("status, code", [("done", 0), ("aborted", EXIT_ABORTED)])
+def test_wait_returns_the_runs_exit_status(tmp_path, status, code, capsys):
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        got = wait_for(_FinishedJob(tmp_path, {"status": status, "step": 2, "run_dir": "r"}))
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    assert got == code
+    assert ("aborted at step 2" in capsys.readouterr().err) == (status == "aborted")

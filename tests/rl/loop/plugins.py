@@ -14,3 +14,16 @@ def raises_sometimes(response: str, answer: str, meta: dict) -> float:
     if response.strip().startswith("1"):
         raise RuntimeError("plugin failure on purpose")
     return 0.0
+
+
+SLOW_REWARD_CALLS = []
+"""One entry per call of `slow_short_answer` (the test reads where the run is)."""
+
+
+def slow_short_answer(response: str, answer: str, meta: dict) -> float:
+    """`short_answer`, taking RL_TEST_REWARD_SLEEP_S seconds per sample (a slow verifier)."""
+    import os
+    import time
+    SLOW_REWARD_CALLS.append(time.monotonic())
+    time.sleep(float(os.environ.get("RL_TEST_REWARD_SLEEP_S", "0")))
+    return short_answer(response, answer, meta)
