@@ -127,12 +127,15 @@ def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
         else:
             sync_stats = ctx.sync(state.weight_version + 1)
         t_sync = time.perf_counter() - t0
-        # 7. periodic evaluation (skipped after a stop: the checkpoint goes first)
+        # 7. periodic evaluation (after a stop the checkpoint goes first: the resumed run
+        #    evaluates this step's weights at its start and completes this step's record)
         t0 = time.perf_counter()
         metrics = {}
         due = cfg.eval.every and step % cfg.eval.every == 0 or step == cfg.num_steps
         if due and not stop.requested:
             metrics.update(ctx.evaluate(step))
+        elif due:
+            state.eval_pending = step
         t_eval = time.perf_counter() - t0
         # 8. log, trajectories, checkpoint
         state.step = step

@@ -50,6 +50,8 @@ class DriverState:
     reward_failures_before: int = 0
     dropped_samples: int = 0
     """Samples dropped for being older than algorithm.max_staleness (cumulative)."""
+    eval_pending: int | None = None
+    """A step whose evaluation a stop skipped (checkpoint first); the resumed run does it."""
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -150,6 +152,27 @@ class RunContext:
         self._truncate_metrics_jsonl(self.state.step)
         # Engines start from the model directory: bring them to the trainer's exact weights.
         self.sync(self.state.weight_version)
+        if self.state.eval_pending is not None:
+            self._evaluate_pending()
+
+    def _evaluate_pending(self) -> None:
+        """The evaluation a stop skipped: the same weights (just restored and synced) and seed as
+        the uninterrupted run's, merged into the step's metrics.jsonl line and logged at that
+        step, so the record equals an uninterrupted run's."""
+        step = self.state.eval_pending
+        metrics = self.evaluate(step)
+        self.log(step, metrics)
+        path = self.run_dir / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        for i in range(len(lines) - 1, -1, -1):
+            row = json.loads(lines[i])
+            if row["step"] == step:
+                lines[i] = json.dumps({**row, **metrics})
+                break
+        path.write_text("".join(line + "\n" for line in lines))
+        self.state.eval_pending = None
+        say(f"evaluated step {step} (skipped by the stop): pass@1 "
+            f"{metrics.get('eval/pass1', float('nan')):.3f}")
 
     def _truncate_metrics_jsonl(self, step: int) -> None:
         path = self.run_dir / "metrics.jsonl"
