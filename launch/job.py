@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from rl.cluster.groups import ROLLOUT_NODE, TRAINER_NODE
 from rl.config import Config
 from rl.console import job_log
 from rl.signals import EXIT_ABORTED, StopRequest
@@ -31,8 +32,8 @@ def start_local_ray(cfg: Config) -> None:
         return
     needed = cfg.trainer.num_ranks + cfg.rollout.num_engines + 1
     temp = Path(os.environ.get("RL_RAY_TMP", f"/tmp/rl-ray-{os.getpid()}"))
-    ray.init(num_cpus=max(os.cpu_count() or 1, needed), resources={"trainer_node": 1, "rollout_node": 1},
-             include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
+    ray.init(num_cpus=max(os.cpu_count() or 1, needed),
+             resources={TRAINER_NODE: 1, ROLLOUT_NODE: 1}, include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
              runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
 
 
