@@ -33,7 +33,8 @@ def start_local_ray(cfg: Config) -> None:
     needed = cfg.trainer.num_ranks + cfg.rollout.num_engines + 1
     temp = Path(os.environ.get("RL_RAY_TMP", f"/tmp/rl-ray-{os.getpid()}"))
     ray.init(num_cpus=max(os.cpu_count() or 1, needed),
-             resources={TRAINER_NODE: 1, ROLLOUT_NODE: 1}, include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
+             resources={TRAINER_NODE: 1, ROLLOUT_NODE: 1}, include_dashboard=False,
+             _temp_dir=str(temp), log_to_driver=True,
              runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
 
 
