@@ -19,31 +19,10 @@ from pathlib import Path
 from launch.checks import (check_data_or_exit, check_resume_or_exit,
                            check_slurm_params_or_exit)
 from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
-                           split_config_args)
+                           split_config_args, stream_errors, stream_output)
 from launch.rundir import archive_run_dir
 from rl.console import job_log
 from rl.signals import EXIT_REQUEUE
-
-
-def _stream(path: Path, pos: int, quiet: bool = False, out=None) -> int:
-    """Copies what `path` gained since `pos` to `out` (stdout); returns the new position.
-    `quiet` drops submitit's own lines (job started, pickle loaded, job completed or failed)."""
-    out = out or sys.stdout
-    if path.exists():
-        with open(path, "rb") as f:
-            f.seek(pos)
-            chunk = f.read()
-        if quiet:  # only whole lines, so that a line cut by the read is judged once complete
-            chunk = chunk[:chunk.rfind(b"\n") + 1]
-        if chunk:
-            text = chunk.decode(errors="replace")
-            if quiet:  # run_local reports the outcome itself
-                text = "".join(ln for ln in text.splitlines(keepends=True)
-                               if not (ln.startswith("submitit INFO") or _JOB_FAILED in ln))
-            out.write(text)
-            out.flush()
-            pos += len(chunk)
-    return pos
 
 
 def run_local(cfg, args) -> int:
@@ -74,15 +53,15 @@ def run_local(cfg, args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, forward)
     def stream_err(pos: int) -> int:  # verbose: all of it, as the libraries wrote it
-        return (_stream(job.paths.stderr, pos, out=sys.stderr) if verbose
-                else _stream_errors(job.paths.stderr, pos))
+        return (stream_output(job.paths.stderr, pos, out=sys.stderr) if verbose
+                else stream_errors(job.paths.stderr, pos))
 
     out_pos = err_pos = 0
     while not job.done():
-        out_pos = _stream(job.paths.stdout, out_pos, quiet=not verbose)
+        out_pos = stream_output(job.paths.stdout, out_pos, quiet=not verbose)
         err_pos = stream_err(err_pos)
         time.sleep(0.5)
-    _stream(job.paths.stdout, out_pos, quiet=not verbose)
+    stream_output(job.paths.stdout, out_pos, quiet=not verbose)
     stream_err(err_pos)
     try:
         result = job.result()
@@ -99,44 +78,6 @@ def run_local(cfg, args) -> int:
         print(f"job failed; full log: {job.paths.stderr}{where}", file=sys.stderr)
         return 1
     return exit_status(result)
-
-
-# Tracebacks run_local reports as one line itself (or that are no error at all).
-_ONE_LINE_EXCEPTIONS = ("ConfigError", "Requeue")
-_JOB_FAILED = "Submitted job triggered an exception"  # submitit's, before the traceback
-
-
-def _stream_errors(path: Path, pos: int) -> int:
-    """The errors in what the job's stderr gained since `pos`, printed to stderr: whole
-    tracebacks (except those of _ONE_LINE_EXCEPTIONS) and other ERROR / `...Error:` lines.
-
-    Returns the position to read from next: the end of the last complete line, or the start of
-    a traceback whose exception line has not arrived yet (it is judged once complete).
-    """
-    if not path.exists():
-        return pos
-    with open(path, "rb") as f:
-        f.seek(pos)
-        chunk = f.read()
-    done = offset = 0  # bytes judged; bytes read
-    block = None  # the open traceback's lines
-    for raw in chunk.split(b"\n")[:-1]:  # whole lines only (a progress bar's \r stays inside)
-        offset += len(raw) + 1
-        line = raw.decode(errors="replace").rstrip("\r")
-        if block is not None:
-            block.append(line)
-            if not line or line[0].isspace():
-                continue
-            if not line.split(":", 1)[0].endswith(_ONE_LINE_EXCEPTIONS):
-                print("\n".join(block), file=sys.stderr, flush=True)
-            block = None
-        elif line.startswith("Traceback"):
-            block = [line]
-            continue
-        elif (line.startswith("ERROR") or "Error:" in line) and _JOB_FAILED not in line:
-            print(line, file=sys.stderr, flush=True)
-        done = offset
-    return pos + done
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
 """Graceful stop: SIGUSR1, SIGUSR2 and SIGTERM ask the driver to checkpoint and exit.
 
-Slurm sends USR1 (our `--signal`) before a time limit or, with preempt_send_user_signal, before a
-preemption; `scontrol requeue` and plain preemption send TERM. All three mean the same thing: stop
+Slurm sends USR2 (the sbatch's `--signal=USR2@cluster.signal_before_end_s`, submitit's
+preemption signal) before a time limit or, with preempt_send_user_signal, before a preemption;
+`scontrol requeue` and plain preemption send TERM; the local launcher forwards Ctrl-C as TERM and
+USR1 is honoured too. All three mean the same thing: stop
 at the next safe point, save, exit with EXIT_REQUEUE so the Slurm layer requeues the job.
 """
 from __future__ import annotations

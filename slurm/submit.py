@@ -64,15 +64,15 @@ def wait_for(job: HetJob) -> int:
     finished, EXIT_ABORTED when it aborted on non-finite steps, EXIT_REQUEUE when it stopped with a
     checkpoint and may not requeue again, else 1. Ctrl-C stops waiting, not the job."""
     from launch.job import exit_status
-    from launch.submit import _stream, _stream_errors
+    from launch.common import stream_errors, stream_output
 
     interrupted = []
     signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
     out_pos = err_pos = 0
     last_poll = 0.0
     while not interrupted:
-        out_pos = _stream(job.paths.stdout, out_pos)
-        err_pos = _stream_errors(job.paths.stderr, err_pos)
+        out_pos = stream_output(job.paths.stdout, out_pos)
+        err_pos = stream_errors(job.paths.stderr, err_pos)
         if job.paths.result_pickle.exists():
             break
         if time.monotonic() - last_poll > _STATE_POLL_S:
@@ -82,8 +82,8 @@ def wait_for(job: HetJob) -> int:
                 time.sleep(2)  # let the output files settle
                 break
         time.sleep(1)
-    _stream(job.paths.stdout, out_pos)
-    _stream_errors(job.paths.stderr, err_pos)
+    stream_output(job.paths.stdout, out_pos)
+    stream_errors(job.paths.stderr, err_pos)
     if interrupted:
         print(f"\nstopped waiting; job {job.job_id} keeps running", flush=True)
         return 0

@@ -1,5 +1,5 @@
-"""What `launch.submit` copies from the job's files to the console (`_stream`, `_stream_errors`)."""
-from launch.submit import _stream, _stream_errors
+"""What `launch.submit` copies from the job's files to the console (`launch.common.stream_output`, `stream_errors`)."""
+from launch.common import stream_errors, stream_output
 
 CONFIG_TB = ["Traceback (most recent call last):", '  File "/x/run_state.py", line 9, in open_run',
              "rl.config.ConfigError: reward.function: got 'x:y', cannot import module 'x'"]
@@ -19,11 +19,11 @@ def test_errors_show_whole_tracebacks_but_not_those_reported_as_one_line(tmp_pat
             "Loading weights:   0%|   | 0/47\rLoading weights: 100%|###| 47/47",
             "ERROR submitit: Submitted job triggered an exception", *CONFIG_TB,
             "ERROR rl.loop: 3 non-finite steps in a row", *FATAL_TB[:2])
-    pos = _stream_errors(err, 0)
+    pos = stream_errors(err, 0)
     # the open traceback is held back until its exception line arrives
     assert capsys.readouterr().err.splitlines() == ["ERROR rl.loop: 3 non-finite steps in a row"]
     _append(err, *FATAL_TB[2:])
-    pos = _stream_errors(err, pos)
+    pos = stream_errors(err, pos)
     assert capsys.readouterr().err.splitlines() == FATAL_TB
     assert pos == err.stat().st_size
 
@@ -34,11 +34,11 @@ def test_quiet_stream_drops_submitits_own_lines_and_waits_for_whole_lines(tmp_pa
                    "step    1/2 | reward 0.500\n"
                    "submitit ERROR (2026-11-30 14:19:24,255) - Submitted job triggered an exception\n"
                    "step    2/2 | rew")
-    pos = _stream(out, 0, quiet=True)
+    pos = stream_output(out, 0, quiet=True)
     assert capsys.readouterr().out == "step    1/2 | reward 0.500\n"
     with open(out, "a") as f:
         f.write("ard 0.750\n")
-    _stream(out, pos, quiet=True)
+    stream_output(out, pos, quiet=True)
     assert capsys.readouterr().out == "step    2/2 | reward 0.750\n"
-    _stream(out, 0)  # not quiet (verbose, Slurm): everything as written
+    stream_output(out, 0)  # not quiet (verbose, Slurm): everything as written
     assert capsys.readouterr().out.count("submitit") == 2
