@@ -14,7 +14,6 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from pathlib import Path
 
 from launch.checks import (check_data_or_exit, check_resume_or_exit,
                            check_slurm_params_or_exit)
