@@ -9,7 +9,6 @@ import os
 import random
 import signal
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
