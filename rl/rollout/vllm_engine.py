@@ -13,6 +13,15 @@ Choices, and why:
 - CPU: fp32 by default (bit-for-bit close to the fp32 trainer); the KV cache is sized by
   `cpu_kvcache_gb` through `kv_cache_memory_bytes` (the legacy `VLLM_CPU_KVCACHE_SPACE`
   takes whole GiB only and, when set, wins).
+- CPU: chunked prefill off. Every request carries its own seed (`prompt_seeds`), so vLLM gives
+  it its own `torch.Generator`. When a step's prompt tokens exceed the batched-token budget
+  (4096 on CPU), the scheduler prefills the last admitted request only partly; vLLM samples a
+  token for it anyway, discards it and rewinds the generator with `set_offset`
+  (`GPUModelRunner._bookkeeping_sync`), which a CPU generator refuses: `RuntimeError: CPU
+  Generator does not use offset`. Without chunking a prompt is prefilled whole or waits for the
+  next step (vLLM raises the budget to at least `max_model_len`), so no draw is ever discarded
+  and a request's samples depend only on its seed, not on what shares its batch. CUDA
+  generators can rewind, so GPUs keep chunked prefill.
 """
 from __future__ import annotations
 
@@ -58,6 +67,7 @@ def engine_kwargs(model_dir: str | Path, cfg: RolloutConfig, device: torch.devic
         kwargs["skip_tokenizer_init"] = True
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kvcache_gb * 2**30)
+        kwargs["enable_chunked_prefill"] = False  # seeded CPU generators (module docstring)
         # MLA models need vLLM's torch rotary on CPU to match HF (see vllm_cpu_overrides).
         if (Path(model_dir) / "config.json").is_file():
             from rl.models.loading import vllm_cpu_overrides
@@ -114,6 +124,8 @@ class VLLMEngine:
         check_token_lists("prompt_ids", prompt_ids, self.vocab_size)
         if not prompt_ids:
             return []
+        self._check_fits("generate: prompt", [len(p) for p in prompt_ids],
+                         "lower data.max_prompt_tokens or raise rollout.max_model_len")
         seeds = prompt_seeds(sampling.seed, len(prompt_ids))
         params = [self._vllm_params(sampling, s) for s in seeds]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params,
@@ -136,6 +148,15 @@ class VLLMEngine:
                       logprobs=[float(c.logprobs[j][t].logprob) for j, t in enumerate(tokens)],
                       finish_reason=c.finish_reason, weight_version=self.weight_version)
 
+    def _check_fits(self, what: str, lengths: list[int], hint: str = "") -> None:
+        """vLLM refuses inputs that leave no room for one generated token; say which and why."""
+        limit = self.cfg.max_model_len - 1
+        for i, n in enumerate(lengths):
+            if n > limit:
+                raise ValueError(f"{what} {i} has {n} tokens; at most {limit} fit "
+                                 f"rollout.max_model_len={self.cfg.max_model_len}"
+                                 + (f" ({hint})" if hint else ""))
+
     # ---- scoring -----------------------------------------------------------------------
     def score(self, prompt_ids: list[list[int]], response_ids: list[list[int]]
               ) -> list[list[float]]:
@@ -144,12 +165,8 @@ class VLLMEngine:
 
         check_score_args(prompt_ids, response_ids, self.vocab_size)
         todo = [i for i, r in enumerate(response_ids) if r]
-        limit = self.cfg.max_model_len - 1  # one generated token must still fit
-        for i in todo:
-            if len(prompt_ids[i]) + len(response_ids[i]) > limit:
-                raise ValueError(f"score: prompt + response {i} has "
-                                 f"{len(prompt_ids[i]) + len(response_ids[i])} tokens; at most "
-                                 f"{limit} fit rollout.max_model_len={self.cfg.max_model_len}")
+        self._check_fits("score: prompt + response", [len(p) + len(r) if r else 0
+                                                      for p, r in zip(prompt_ids, response_ids)])
         params = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         outs = self.llm.generate([{"prompt_token_ids": list(prompt_ids[i]) + list(response_ids[i])}
                                   for i in todo], params, use_tqdm=False)

