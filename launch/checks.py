@@ -77,15 +77,26 @@ def _check_prompt_lengths(cfg: Config, examples) -> None:
         return
     from rl.data import DataError
     from rl.data.datasets import prompt_ids
-    limit = cfg.data.max_prompt_tokens
-    too_long = [(ex, n) for ex in examples
-                if (n := len(prompt_ids(ex, tokenizer, cfg.data))) > limit]
+    # A prompt must also leave the engine room for one generated token (vLLM refuses it
+    # otherwise, inside the job): the binding limit is the smaller of the two.
+    room = cfg.rollout.max_model_len - 1
+    limit = min(cfg.data.max_prompt_tokens, room)
+    lengths = [(ex, len(prompt_ids(ex, tokenizer, cfg.data))) for ex in examples]
+    too_long = [(ex, n) for ex, n in lengths if n > limit]
     if too_long:
         ex, n = too_long[0]
         more = f" ({len(too_long) - 1} more prompts are too long)" if len(too_long) > 1 else ""
+        what = (f"data.max_prompt_tokens ({limit})" if limit == cfg.data.max_prompt_tokens else
+                f"rollout.max_model_len - 1 ({limit}: one generated token must fit)")
         raise DataError(f"{ex.meta['source']}: prompt is {n} tokens with the run's tokenizer, "
-                        f"expected at most data.max_prompt_tokens ({limit}){more}; raise "
-                        "data.max_prompt_tokens (and rollout.max_model_len) or shorten the prompt")
+                        f"expected at most {what}{more}; raise data.max_prompt_tokens and "
+                        "rollout.max_model_len, or shorten the prompt")
+    longest = max((n for _, n in lengths), default=0)
+    if longest + cfg.rollout.max_new_tokens > cfg.rollout.max_model_len:
+        print(f"note: the longest prompt ({longest} tokens) + rollout.max_new_tokens "
+              f"({cfg.rollout.max_new_tokens}) exceeds rollout.max_model_len "
+              f"({cfg.rollout.max_model_len}): its responses end early (finish reason 'length')",
+              flush=True)
 
 
 def _tokenizer(cfg: Config):

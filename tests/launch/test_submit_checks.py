@@ -144,8 +144,18 @@ def test_prompt_longer_than_max_prompt_tokens_is_refused(tmp_path, launched, cap
     assert e.value.code == 2 and not launched
     assert err == (f"data error: {path}:2: prompt is 12 tokens with the run's tokenizer, expected "
                    "at most data.max_prompt_tokens (11) (1 more prompts are too long); raise "
-                   "data.max_prompt_tokens (and rollout.max_model_len) or shorten the prompt")
+                   "data.max_prompt_tokens and rollout.max_model_len, or shorten the prompt")
     assert main(*base, "data.max_prompt_tokens=14") == 0
+    # The engine's context binds too: a prompt must leave room for one generated token.
+    with pytest.raises(SystemExit) as e:
+        main(*base, "data.max_prompt_tokens=14", "rollout.max_model_len=12",
+             "rollout.max_new_tokens=4")
+    assert "expected at most rollout.max_model_len - 1 (11: one generated token must fit)" in (
+        capsys.readouterr().err)
+    assert main(*base, "data.max_prompt_tokens=14", "rollout.max_model_len=15",
+                "rollout.max_new_tokens=4") == 0
+    assert "the longest prompt (14 tokens) + rollout.max_new_tokens (4) exceeds" in (
+        capsys.readouterr().out)
 
 
 def test_eval_note_is_printed_before_the_run(tmp_path, launched, capsys):
