@@ -1,6 +1,9 @@
 """Held-out evaluation: greedy pass@1, mean reward, and pass@k from k samples at temperature."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from rl.data.example import Example
 from rl.rewards.computer import RewardComputer
 from rl.rollout.base import SamplingParams
@@ -29,3 +32,24 @@ def evaluate(runtime, prompt_ids: list[list[int]], examples: list[Example], rewa
             hits += any(c >= 1.0 for c in corr[i * pass_k:(i + 1) * pass_k])
         out["eval/pass_k"] = hits / max(len(examples), 1)
     return out
+
+
+FINAL_EVALS = 3
+"""How many of the last evaluations the final accuracy averages: a single evaluation of a few
+hundred problems moves by a few points from one to the next, so it overstates or hides a gain."""
+
+
+def mean_of_last_evals(rows: list[dict], k: int = FINAL_EVALS) -> tuple[float | None, list[int]]:
+    """(mean held-out pass@1 of the last `k` evaluations, their steps); fewer when the run had
+    fewer, (None, []) when it had none. `rows` are metrics.jsonl records (`step`, `eval/pass1`)."""
+    evals = sorted((r["step"], r["eval/pass1"]) for r in rows if "eval/pass1" in r)[-k:]
+    if not evals:
+        return None, []
+    return sum(acc for _, acc in evals) / len(evals), [step for step, _ in evals]
+
+
+def read_metrics_jsonl(path: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl (all its lives: resume truncates it to the checkpoint)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

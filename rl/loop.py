@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rl.config import Config
+from rl.evaluate import mean_of_last_evals, read_metrics_jsonl
 from rl.pipeline import RolloutPipeline, stale_groups, staleness
 from rl.rollout.base import SamplingParams
 from rl.run_state import RunContext, open_run
@@ -34,6 +35,9 @@ class RunResult:
     run_dir: str
     warm_start_accuracy: float | None = None
     final_accuracy: float | None = None
+    final_mean_accuracy: float | None = None
+    """Mean held-out pass@1 of the last FINAL_EVALS evaluations, over all lives of the run."""
+    final_mean_steps: list[int] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)
 
 
@@ -182,4 +186,6 @@ def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
     result.step = state.step
     result.warm_start_accuracy = state.warm_start_accuracy
     result.final_accuracy = state.last_eval.get("eval/pass1")
+    result.final_mean_accuracy, result.final_mean_steps = mean_of_last_evals(
+        read_metrics_jsonl(ctx.run_dir / "metrics.jsonl"))
     return result
