@@ -116,8 +116,7 @@ def _run_job(cfg: Config, resume: bool, force: bool, stop: StopRequest | None) -
     lifecycle(cfg, result.status, step=result.step, reason=stop.signal_name)
     say(summary(cfg, result))
     out = summary_record(cfg, result)
-    (Path(result.run_dir) / "summary.json").write_text(json.dumps(out, indent=2) + "
-")
+    (Path(result.run_dir) / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
     if result.status == "stopped":
         raise Requeue(f"stopped on {stop.signal_name} at step {result.step}; checkpoint written")
     return out
