@@ -87,12 +87,10 @@ class WeightSyncExtension:
     def rl_init_weight_sync(self, host: str, port: int, world_size: int, rank: int, backend: str,
                             timeout_s: float) -> None:
         """Join the sync group as rank `rank + self.rank` (tensor-parallel workers in order)."""
-        from rl.sync.transport import destroy, make_group
+        from rl.sync.transport import join_group
 
-        destroy(getattr(self, "_rl_group", None))
-        device = self.device if backend == "nccl" else torch.device("cpu")
-        self._rl_group = make_group(host, port, world_size, rank + self.rank, backend, timeout_s,
-                                    device=device)
+        self._rl_group = join_group(getattr(self, "_rl_group", None), host, port, world_size,
+                                    rank + self.rank, backend, timeout_s, self.device)
 
     def rl_receive_weights(self, plan, version: int, verify: bool = False) -> dict:
         """Receive every bucket of `plan` and reload the model from them; returns stats."""

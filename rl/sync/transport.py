@@ -157,6 +157,16 @@ def receive_buckets(group: WeightGroup, plan: SyncPlan, version: int | None = No
         yield buf if raw else unpack_bucket(bucket, buf)
 
 
+def join_group(old: WeightGroup | None, host: str, port: int, world_size: int, rank: int,
+               backend: str, timeout_s: float, device: torch.device) -> WeightGroup:
+    """A receiver's (re)join of the weight group: the old group is torn down first; NCCL groups
+    live on the receiver's `device`, gloo groups on the CPU. One place for every engine (hf,
+    native, and each vLLM worker)."""
+    destroy(old)
+    on = device if backend == "nccl" else torch.device("cpu")
+    return make_group(host, port, world_size, rank, backend, timeout_s, device=on)
+
+
 def destroy(group: WeightGroup | None) -> None:
     if group is not None:
         try:

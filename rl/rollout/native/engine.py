@@ -285,11 +285,10 @@ class NativeEngine:
 
     def init_weight_sync(self, host: str, port: int, world_size: int, rank: int, backend: str,
                          timeout_s: float) -> None:
-        from rl.sync.transport import destroy, make_group
+        from rl.sync.transport import join_group
 
-        destroy(self._group)
-        device = self.device if backend == "nccl" else torch.device("cpu")
-        self._group = make_group(host, port, world_size, rank, backend, timeout_s, device=device)
+        self._group = join_group(self._group, host, port, world_size, rank, backend, timeout_s,
+                                 self.device)
 
     def receive_weights(self, plan, version: int, verify: bool = False) -> dict:
         """Receive, place, and wait until the weights are usable on this device; `seconds`
