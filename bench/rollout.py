@@ -147,7 +147,7 @@ def main() -> None:
                         save(row)
                 continue
             cfg = RolloutConfig(engine="native", quantization=quant, max_batch_size=max(batches),
-                                max_model_len=prompt_len + max(news))
+                                max_model_len=prompt_len + max(news), max_new_tokens=max(news))
             engine = NativeEngine.from_config(config, cfg, device=device,
                                               dtype="bfloat16" if gpu else "float32")
             engine.load_weights(state, version=1)
