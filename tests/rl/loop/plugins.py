@@ -11,6 +11,7 @@ def short_answer(response: str, answer: str, meta: dict) -> float:
 
 
 def raises_sometimes(response: str, answer: str, meta: dict) -> float:
+    """Raises on responses that start with "1", else 1.0: a failure's 0 stands out."""
     if response.strip().startswith("1"):
         raise RuntimeError("plugin failure on purpose")
-    return 0.0
+    return 1.0
