@@ -34,8 +34,8 @@ def test_wait_follows_requeues_and_exits_75_at_the_requeue_limit(slurm_cluster, 
     assert rc == EXIT_REQUEUE, (out, err)
     # Both lives' output was streamed: the wait went on through the requeue.
     assert "life 0 on " in out and "life 1 on " in out, out
-    assert out.index("life 0 on ") < out.index(f"requeued job {job.job_id} (restart 1 of at most 1)") \
-        < out.index("life 1 on ")
+    requeued = out.index(f"requeued job {job.job_id} (restart 1 of at most 1)")
+    assert out.index("life 0 on ") < requeued < out.index("life 1 on ")
     # The second stop hit the limit: one line saying why and what to do.
     assert (f"stopped on SIGUSR2 at step 2; not requeueing: job {job.job_id} was already "
             "requeued 1 times (cluster.max_requeues=1). Submit the same config again to resume.") \

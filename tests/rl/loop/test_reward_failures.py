@@ -14,8 +14,8 @@ def test_raising_reward_plugin_scores_zero_counts_failures_and_the_run_goes_on(t
     from rl.models.loading import load_tokenizer
     from rl.rollout.base import decode_response
     from rl.sft import warm_start_dir
-    cfg = make_cfg(tmp_path, "reward-fails", "reward.function=tests.rl.loop.plugins:raises_sometimes",
-                   "rollout.engine=hf", "num_steps=2", "eval.every=0", "checkpoint.every=0")
+    cfg = make_cfg(tmp_path, "reward-fails",
+                   "reward.function=tests.rl.loop.plugins:raises_sometimes", "rollout.engine=hf", "num_steps=2", "eval.every=0", "checkpoint.every=0")
     result = run(cfg)
     assert result.status == "done" and result.step == 2
     tok = load_tokenizer(warm_start_dir(cfg))
