@@ -66,24 +66,21 @@ def wait_for(job: HetJob) -> int:
     from launch.submit import _stream, _stream_errors
 
     interrupted = []
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+    signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
     out_pos = err_pos = 0
     last_poll = 0.0
-    try:
-        while not interrupted:
-            out_pos = _stream(job.paths.stdout, out_pos)
-            err_pos = _stream_errors(job.paths.stderr, err_pos)
-            if job.paths.result_pickle.exists():
+    while not interrupted:
+        out_pos = _stream(job.paths.stdout, out_pos)
+        err_pos = _stream_errors(job.paths.stderr, err_pos)
+        if job.paths.result_pickle.exists():
+            break
+        if time.monotonic() - last_poll > _STATE_POLL_S:
+            # submitit's own refresh slows to one sacct call per 10 min on long jobs
+            last_poll = time.monotonic()
+            if job.watcher.is_done(job.job_id, mode="force"):
+                time.sleep(2)  # let the output files settle
                 break
-            if time.monotonic() - last_poll > _STATE_POLL_S:
-                # submitit's own refresh slows to one sacct call per 10 min on long jobs
-                last_poll = time.monotonic()
-                if job.watcher.is_done(job.job_id, mode="force"):
-                    time.sleep(2)  # let the output files settle
-                    break
-            time.sleep(1)
-    finally:  # the caller (a test session, say) gets its Ctrl-C back
-        signal.signal(signal.SIGINT, previous)
+        time.sleep(1)
     _stream(job.paths.stdout, out_pos)
     _stream_errors(job.paths.stderr, err_pos)
     if interrupted:

@@ -6,6 +6,7 @@ The job is `slurm.job.slurm_main` with Ray and the RL loop replaced by a life th
 (`probes.stop_every_life_probe`), so the test takes about a minute instead of a Ray and vLLM
 start per life. The full RL job under `--wait` is test_slurm_rl.py's reference run.
 """
+import signal
 from pathlib import Path
 
 import pytest
@@ -25,11 +26,14 @@ def test_wait_follows_requeues_and_exits_75_at_the_requeue_limit(slurm_cluster, 
     cfg = load_config(CONFIG, [f"output_dir={tmp_path}", "cluster.max_requeues=1"])
     cfg.run_dir.mkdir(parents=True)
     job = make_executor(cfg).submit(probes.stop_every_life_probe, cfg)
+    sigint = signal.getsignal(signal.SIGINT)  # wait_for takes Ctrl-C over
     try:
         rc = wait_for(job)
     except BaseException:
         job.cancel(check=False)  # leave no job behind on failure
         raise
+    finally:
+        signal.signal(signal.SIGINT, sigint)
     out, err = capsys.readouterr()
     assert rc == EXIT_REQUEUE, (out, err)
     # Both lives' output was streamed: the wait went on through the requeue.
