@@ -11,7 +11,6 @@ def short_answer(response: str, answer: str, meta: dict) -> float:
 
 
 def raises_sometimes(response: str, answer: str, meta: dict) -> float:
-    """Raises on responses that start with "1", else 1.0: a failure's 0 stands out."""
     if response.strip().startswith("1"):
         raise RuntimeError("plugin failure on purpose")
-    return 1.0
+    return 0.0
