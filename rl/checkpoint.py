@@ -2,7 +2,8 @@
 
 Layout of `RUN_DIR/checkpoints/`:
   step_000006/            one complete checkpoint
-    trainer/ds/...        DeepSpeed engine state of every rank (weights, optimizer, LR scheduler, RNG)
+    trainer/ds/...        DeepSpeed engine state of every rank (weights, optimizer, LR scheduler)
+    trainer/ds/rng_rank_NNNNN.pt  each trainer rank's own RNG streams
     driver.pt             driver state: step, weight version, sampler, driver RNG, counters
     manifest.json         written last: step, weight version, config hash, versions, time
   latest                  text file naming the newest complete checkpoint (replaced atomically)

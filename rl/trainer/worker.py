@@ -12,6 +12,7 @@ same number of micro-batches (short ranks pad with zero-weight ones) so ZeRO's c
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -386,25 +387,53 @@ class TrainerWorker:
 
     # ---- checkpoint ----------------------------------------------------------------------
     def save(self, path: str, tag: str, client_state: dict | None = None) -> None:
+        """Collective: every rank writes its DeepSpeed shard and its own RNG file into path/tag."""
         state = dict(client_state or {})
-        state["rng"] = rng_state()
         state["optimizer_steps"] = self.optimizer_steps
+        rng = rng_state()  # taken first: nothing the save does may shift what a resume restores
         self.engine.save_checkpoint(path, tag=tag, client_state=state, save_latest=False)
+        # Under ZeRO 0-2 DeepSpeed writes client_state from rank 0 only, and every rank loads that
+        # copy back: each rank's own streams go in a file of its own.
+        rng_file = rank_rng_file(path, tag, self.rank)
+        rng_file.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(rng, rng_file)
 
     def load(self, path: str, tag: str) -> dict:
         _, client = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
         if client is None:
             raise RuntimeError(f"could not load trainer checkpoint {Path(path) / tag}")
-        set_rng_state(client["rng"])
+        rng_file = rank_rng_file(path, tag, self.rank)
+        if rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        elif "rng" in client:
+            # Checkpoints written before the per-rank files kept one copy in client_state: each
+            # rank's own under ZeRO-3, rank 0's for every rank under ZeRO 0-2.
+            logging.getLogger(__name__).warning(
+                "%s is missing: restoring the RNG state stored with the DeepSpeed checkpoint "
+                "(rank 0's under ZeRO stages 0-2)", rng_file)
+            set_rng_state(client["rng"])
+        else:
+            raise RuntimeError(f"trainer checkpoint {Path(path) / tag} has no RNG state for rank "
+                               f"{self.rank} ({rng_file.name} is missing): was it written by "
+                               "fewer ranks?")
         self.optimizer_steps = client["optimizer_steps"]
         return client
+
+    def get_rng_state(self) -> dict:
+        """This rank's RNG streams, as `save` stores them (for tests)."""
+        return rng_state()
 
     def ping(self) -> int:
         return self.rank
 
     def shutdown(self) -> None:
         self.sender.close()
+
+
+def rank_rng_file(path: str, tag: str, rank: int) -> Path:
+    """Where rank `rank` keeps its RNG streams inside the DeepSpeed checkpoint path/tag."""
+    return Path(path) / tag / f"rng_rank_{rank:05d}.pt"
 
 
 def rng_state() -> dict:

@@ -90,3 +90,25 @@ def preempt_probe(marker_dir: str) -> dict:
             f.write(f"checkpoint {restarts} {stop.signal_name}\n")
         requeue_self(os.environ["SLURM_JOB_ID"], restarts, 3, "preempted")
     return {"restart_count": restarts, "events": events.read_text().split("\n")[:-1]}
+
+
+def stop_every_life_probe(cfg) -> dict:
+    """`slurm.job.slurm_main` itself, with Ray and the RL loop replaced by a life that prints
+    `life K` and stops "with a checkpoint" at once (the loop's `Requeue`). So slurm_main requeues
+    the job while SLURM_RESTART_COUNT < cluster.max_requeues, then ends it with RequeueLimit:
+    what `launch.submit --wait` follows, without minutes of Ray and vLLM start-up per life."""
+    from types import SimpleNamespace
+
+    import slurm.job
+    from launch.job import Requeue
+
+    def run_job(cfg, resume, force, stop):
+        life = slurm.job.restart_count()
+        print(f"life {life} on {socket.gethostname()}", flush=True)
+        stop.request("SIGUSR2")
+        raise Requeue(f"stopped on SIGUSR2 at step {life + 1}")
+
+    slurm.job._start_ray = lambda cfg: SimpleNamespace(address="none", nodes=[])
+    slurm.job.stop_ray = lambda cluster: None
+    slurm.job.run_job = run_job
+    return slurm.job.slurm_main(cfg)

@@ -114,3 +114,35 @@ def test_lowering_max_staleness_on_resume_drops_older_samples(tmp_path, ray_loca
     assert all(m["rollout/staleness_max"] <= 1 for m in metrics[first.step:])
     with TrajectoryReader(cfg.run_dir / "trajectories.h5") as r:
         assert r.column("staleness")[r.column("step") > first.step].max() <= 1
+
+
+def test_stale_samples_keep_trains_on_samples_older_than_the_bound(tmp_path, ray_local):
+    from rl.loop import run
+    from rl.metrics.trajectories import TrajectoryReader
+    from rl.signals import StopRequest
+    common = ("eval.every=0", "checkpoint.every=0", "rollout.engine=hf")
+    cfg = make_cfg(tmp_path, "keep", "algorithm.max_staleness=2", *common)
+    stop = StopRequest()
+    th = threading.Thread(target=lambda: (
+        wait_for(lambda: len(read_metrics(cfg.run_dir)) >= 3, 900, "step 3"),
+        stop.request("test")), daemon=True)
+    th.start()
+    first = run(cfg, stop=stop)
+    assert first.status == "stopped" and 3 <= first.step < 6
+    # The batches generated ahead are 2 versions behind when their steps come: past the lowered
+    # bound, and kept.
+    lowered = make_cfg(tmp_path, "keep", "algorithm.max_staleness=1",
+                       "algorithm.stale_samples=keep", *common)
+    second = run(lowered, force=True)
+    assert second.status == "done" and second.step == 6
+    metrics = read_metrics(cfg.run_dir)[first.step:]
+    ahead = min(2, 6 - first.step)  # batches the first run generated ahead
+    assert all(m["rollout/dropped_samples"] == 0 for m in metrics)
+    assert [m["rollout/staleness_max"] for m in metrics[:ahead]] == [2] * ahead
+    assert [m["rollout/staleness_mean"] for m in metrics[:ahead]] == [2] * ahead
+    assert all(m["rollout/staleness_max"] <= 1 for m in metrics[ahead:])
+    per_batch = 16 * 4  # prompts_per_step x n_samples of BASE_OVERRIDES
+    with TrajectoryReader(cfg.run_dir / "trajectories.h5") as r:
+        steps, lags = r.column("step"), r.column("staleness")
+        assert r.num_rows == 6 * per_batch  # every sample trained on, none dropped
+        assert (lags[steps > first.step] == 2).sum() == ahead * per_batch

@@ -1,6 +1,6 @@
 """Exact resume and faults: a SIGTERM'd and resumed run equals an uninterrupted one (bitwise on
-CPU fp32); a driver killed while writing a checkpoint resumes from the previous one; a killed
-rollout engine is restarted and re-synced."""
+CPU fp32; ZeRO-3, and ZeRO-2 resumed from a checkpoint); a driver killed while writing a
+checkpoint resumes from the previous one; a killed rollout engine is restarted and re-synced."""
 import os
 import signal
 import threading
@@ -31,6 +31,25 @@ def test_sigterm_and_resume_equals_uninterrupted_run(reference_run, tmp_path):
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward/mean")] == list(range(1, 7))
 
+
+
+def test_zero2_resume_from_a_checkpoint_equals_uninterrupted_run(tmp_path, ray_local):
+    """ZeRO-2, where DeepSpeed writes its client state from rank 0 only (each rank's RNG is a file
+    of its own). The HF engine keeps it cheap. The resumed run is the reference's run directory
+    as it stood after step 3's checkpoint: the resume truncates the later steps' logs itself."""
+    import shutil
+    from rl.checkpoint import step_dir_name
+    from rl.loop import run
+    zero2 = ("trainer.zero_stage=2", "rollout.engine=hf")
+    ref = make_cfg(tmp_path / "reference", "zero2", *zero2)
+    assert run(ref).status == "done"
+    resumed = make_cfg(tmp_path / "resumed", "zero2", *zero2)
+    shutil.copytree(ref.run_dir, resumed.run_dir)
+    shutil.rmtree(resumed.run_dir / "checkpoints" / step_dir_name(6))
+    (resumed.run_dir / "checkpoints" / "latest").write_text(step_dir_name(3) + "\n")
+    result = run(resumed)
+    assert result.status == "done" and [m["step"] for m in result.history] == [4, 5, 6]
+    assert_same_run(resumed.run_dir, ref.run_dir)
 
 def test_kill9_during_checkpoint_resumes_from_previous(tmp_path):
     run_dir = tmp_path / "crash"
