@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from rl.checkpoint import CheckpointManager
-from rl.config import Config, ConfigError, save_config, to_dict
+from rl.config import MOVED_KEYS, Config, ConfigError, save_config, to_dict
 from rl.console import say
 from rl.data.datasets import build_datasets, prompt_ids
 from rl.data.sampler import PromptSampler
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 # Keys that may change between a run and its resume without changing what it computes.
 RESUME_IGNORED = ("name", "output_dir", "num_steps", "eval", "logging", "checkpoint", "cluster",
                   "sync.timeout_s", "sync.bucket_mb", "sync.verify", "trainer.torch_threads",
-                  "rollout.cpu_kvcache_gb", "sft", "plan")
+                  "rollout.cpu_kvcache_gb", "trainer.nvme_path", "sft", "plan")
 
 
 @dataclass(slots=True)
@@ -65,7 +65,10 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def config_differences(old: dict, new: dict) -> list[str]:
+    """`key: old -> new` for each key that matters; a key the old config kept where it used to
+    live (`rl.config.MOVED_KEYS`) is compared at its new place."""
     a, b = _flatten(old), _flatten(new)
+    a = {MOVED_KEYS.get(k, k): v for k, v in a.items()}
     keys = sorted(set(a) | set(b))
     ignored = lambda k: any(k == p or k.startswith(p + ".") for p in RESUME_IGNORED)  # noqa: E731
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k) and not ignored(k)]

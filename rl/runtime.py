@@ -182,8 +182,7 @@ class Runtime:
         info = RankInfo(rank=i, world_size=self.cfg.trainer.num_ranks,
                         master_addr=self._master[0], master_port=self._master[1])
         return ((self.cfg.trainer, self.cfg.algorithm, self.cfg.sync, self.model_dir,
-                 self.cfg.model.dtype, info, self.cfg.seed, self.total_optimizer_steps),
-                {"memory": self.cfg.plan})
+                 self.cfg.model.dtype, info, self.cfg.seed, self.total_optimizer_steps), {})
 
     def _engine_args(self, i: int):
         dtype = "float32" if self.placement.engine_device == "cpu" else "bfloat16"
