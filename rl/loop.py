@@ -22,6 +22,7 @@ from rl.pipeline import RolloutPipeline, stale_groups, staleness
 from rl.rollout.base import SamplingParams
 from rl.run_state import RunContext, open_run
 from rl.signals import StepAbandoned, StopRequest
+from rl.trainer.batch import TrainBatch
 from rl.trainer.losses import grpo_advantages
 
 log = logging.getLogger(__name__)
@@ -109,10 +110,7 @@ def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
         # 5. train, while the engines generate ahead (a step that has started is finished, then
         #    checkpointed: the trainer ranks cannot be interrupted)
         t0 = time.perf_counter()
-        train_batch = {"prompt_ids": [s.prompt_ids for s in samples],
-                       "response_ids": [s.response_ids for s in samples],
-                       "rollout_logprobs": [s.logprobs for s in samples], "advantages": adv}
-        train_stats, old_logprobs = rt.train(train_batch, step)
+        train_stats, old_logprobs = rt.train(TrainBatch.from_samples(samples, adv), step)
         t_train = time.perf_counter() - t0
         # the ranks skipped (together) any optimizer step with a non-finite loss or gradient
         bad = train_stats["train/skipped"] > 0

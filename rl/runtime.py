@@ -18,6 +18,7 @@ from rl.cluster.groups import (GroupSpec, bundle_address, bundle_nodes, free_por
 from rl.config import Config
 from rl.rollout.base import Sample, SamplingParams
 from rl.sync.transport import SyncError, resolve_backend
+from rl.trainer.batch import TrainBatch
 from rl.trainer.worker import RankInfo, TrainerWorker
 
 log = logging.getLogger(__name__)
@@ -258,14 +259,13 @@ class Runtime:
         busy = wait_all([e.call("busy_seconds") for e in self.engines])
         return sum(busy) / len(busy)
 
-    def train(self, batch: dict, step: int) -> tuple[dict, list[list[float]]]:
+    def train(self, batch: TrainBatch, step: int) -> tuple[dict, list[list[float]]]:
         """Returns (statistics, the trainer's old log-probs of every sample in batch order)."""
         results = wait_all([t.call("train_step", batch, step) for t in self.trainers])
         old: dict[int, list[float]] = {}
         for r in results:
             old.update(r.pop("old_logprobs"))
-        n = len(batch["prompt_ids"])
-        return results[0], [old.get(i, []) for i in range(n)]
+        return results[0], [old.get(i, []) for i in range(len(batch))]
 
     def sync(self, version: int) -> dict:
         """Broadcast the trainer's weights to every engine; returns trainer-side stats."""

@@ -25,6 +25,7 @@ import torch
 
 from rl.config import AlgorithmConfig, SyncConfig, TrainerConfig
 from rl.trainer import losses
+from rl.trainer.batch import TrainBatch
 from rl.trainer.microbatch import Micro, micro_batches, pad_batch
 from rl.trainer.weights import WeightSender
 
@@ -194,15 +195,14 @@ class TrainerWorker:
         return [logp[i, batch.resp_mask[i, 1:].bool()].tolist() for i in range(len(prompt_ids))]
 
     # ---- training ------------------------------------------------------------------------
-    def train_step(self, batch: dict, step: int) -> dict:
+    def train_step(self, batch: TrainBatch, step: int) -> dict:
         """PPO epochs x mini-batches over this rank's shard. Returns rank-averaged statistics."""
         import torch.distributed as dist
 
         t0 = time.perf_counter()
-        n = len(batch["prompt_ids"])
-        mine = list(range(self.rank, n, self.world_size))
-        advantages = torch.tensor(batch["advantages"], dtype=torch.float32)
-        mbs = micro_batches(batch, mine, self.cfg.micro_batch_tokens, self.world_size, n)
+        mine = list(range(self.rank, len(batch), self.world_size))
+        advantages = torch.tensor(batch.advantages, dtype=torch.float32)
+        mbs = micro_batches(batch, mine, self.cfg.micro_batch_tokens, self.world_size)
         # Old (behaviour-at-train-time) and reference log-probs, once, before any update.
         old_logp, ref_logp = {}, {}
         self.engine.module.eval()

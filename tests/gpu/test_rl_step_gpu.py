@@ -18,6 +18,7 @@ def test_train_on_gpu0_sync_generate_on_gpu1(tmp_path, report):
     from rl.models.loading import resolve_model_dir
     from rl.rollout.base import SamplingParams
     from rl.runtime import Placement, Runtime
+    from rl.trainer.batch import TrainBatch
 
     cfg = Config(model=ModelConfig(preset="tiny-qwen3-moe", dtype="bfloat16"),
                  rollout=RolloutConfig(engine="native", quantization="fp8", max_model_len=128,
@@ -40,10 +41,8 @@ def test_train_on_gpu0_sync_generate_on_gpu1(tmp_path, report):
             grp = rewards[i:i + 4]
             mean = sum(grp) / 4
             adv += [r - mean for r in grp]
-        batch = dict(prompt_ids=[s.prompt_ids for s in samples],
-                     response_ids=[s.response_ids for s in samples],
-                     rollout_logprobs=[s.logprobs for s in samples], advantages=adv)
-        P, R = batch["prompt_ids"], batch["response_ids"]
+        batch = TrainBatch.from_samples(samples, adv)
+        P, R = batch.prompt_ids, batch.response_ids
         trainer_before = rt.score_trainer(P, R)
         stats, _ = rt.train(batch, 0)
         assert all(math.isfinite(v) for v in stats.values()), stats
