@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from rl.cluster.groups import ROLLOUT_NODE, TRAINER_NODE
 from rl.config import Config
 from rl.console import job_log
 from rl.signals import EXIT_ABORTED, StopRequest
+from slurm import env as slurm_env
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,27 @@ def lifecycle(cfg: Config, event: str, **fields) -> None:
         f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
 
 
+def previous_stop_signal(run_dir: Path) -> int:
+    """The number of the signal that stopped this run's previous life, from the `reason` of the
+    events `lifecycle` appended between the previous and the latest `start` (0 if none: a first
+    start, or a life killed before it could record one)."""
+    events = []
+    path = run_dir / "lifecycle.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
+    previous = events[starts[-2] + 1: starts[-1]] if len(starts) >= 2 else []
+    signum = 0
+    for e in previous:
+        if str(e.get("reason")) in signal.Signals.__members__:
+            signum = int(signal.Signals[e["reason"]])
+    return signum
+
+
 def run_job(cfg: Config, resume: bool = True, force: bool = False,
             stop: StopRequest | None = None) -> dict:
     """`stop`: an already installed StopRequest (the Slurm job installs one before Ray starts so
@@ -103,16 +126,18 @@ def _run_job(cfg: Config, resume: bool, force: bool, stop: StopRequest | None) -
     from launch.common import quiet_libraries
     from rl.console import say
     from rl.loop import run
+    from rl.recorder import RestartInfo
     quiet_libraries()
     stop = (stop or StopRequest()).install()
-    restart_count = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    lifecycle(cfg, "start", restart_count=restart_count, job_id=os.environ.get("SLURM_JOB_ID"))
+    restart_count = slurm_env.restart_count()
+    lifecycle(cfg, "start", restart_count=restart_count, job_id=slurm_env.job_id())
     if restart_count:
-        say(f"restart {restart_count} of Slurm job {os.environ.get('SLURM_JOB_ID')}")
+        say(f"restart {restart_count} of Slurm job {slurm_env.job_id()}")
     if cfg.cluster.kind == "local":
         start_local_ray(cfg)
         stop.install()  # again: ray.init replaced the SIGTERM handler with sys.exit
-    result = run(cfg, resume=resume, force=force, stop=stop)
+    restart = RestartInfo(count=restart_count, previous_signal=previous_stop_signal(cfg.run_dir))
+    result = run(cfg, resume=resume, force=force, stop=stop, restart=restart)
     lifecycle(cfg, result.status, step=result.step, reason=stop.signal_name)
     say(summary(cfg, result))
     out = summary_record(cfg, result)

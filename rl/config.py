@@ -495,6 +495,10 @@ class ClusterConfig:
     slurm_params: dict[str, str] = field(default_factory=dict)
     """Extra sbatch options applied to both components (validated against a table)."""
 
+    def num_nodes(self, group: Literal["trainer", "rollout"]) -> int:
+        """Machines the group spans: its `nodes` under Slurm; a local run is one machine."""
+        return getattr(self, group).nodes if self.kind == "slurm" else 1
+
     def __post_init__(self) -> None:
         _non_negative(self, "max_requeues", "signal_before_end_s", "ray_object_store_mb")
         _positive(self, "ray_start_timeout_s", "placement_timeout_s")

@@ -9,6 +9,46 @@ from rl.rewards.computer import RewardComputer
 from rl.rollout.base import SamplingParams
 
 
+class Evaluator:
+    """The periodic held-out evaluation: when it is due, running it (with engine recovery), and
+    the evaluation a stop skipped, which the resumed run owes (`pending`)."""
+
+    def __init__(self, cfg, source, runtime, publisher):
+        """`source`: `rl.data.source.PromptSource`; `publisher`: `rl.publisher.WeightPublisher`."""
+        self.cfg, self.source, self.runtime, self.publisher = cfg, source, runtime, publisher
+        self.rewards = RewardComputer(cfg.reward)
+        self.last: dict = {}
+        """The metrics of the latest evaluation."""
+        self.pending: int | None = None
+        """A step whose evaluation a stop skipped (checkpoint first); the resumed run does it."""
+
+    def due(self, step: int) -> bool:
+        return bool(self.cfg.eval.every and step % self.cfg.eval.every == 0
+                    or step == self.cfg.num_steps)
+
+    def evaluate(self, step: int) -> dict:
+        cfg = self.cfg
+        self.last = self.publisher.retry("evaluate", lambda: evaluate(
+            self.runtime, self.source.eval_ids, self.source.eval_set, self.rewards,
+            self.source.tokenizer, cfg.rollout.max_new_tokens, cfg.eval.pass_k,
+            cfg.eval.pass_k_temperature, seed=10_007 + step), step=step)
+        return self.last
+
+    def evaluate_pending(self) -> tuple[int, dict] | None:
+        """(step, metrics) of the evaluation a stop skipped: the same weights (restored and
+        synced) and seed as the uninterrupted run's; None when none is owed."""
+        if self.pending is None:
+            return None
+        step, self.pending = self.pending, None
+        return step, self.evaluate(step)
+
+    def state_dict(self) -> dict:
+        return {"last_eval": self.last, "eval_pending": self.pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last, self.pending = state["last_eval"], state["eval_pending"]
+
+
 def evaluate(runtime, prompt_ids: list[list[int]], examples: list[Example], rewards: RewardComputer,
              tokenizer, max_new_tokens: int, pass_k: int, temperature: float, seed: int) -> dict:
     """Eval metrics; {} without examples (evaluation off: nothing to score, no 0/0 accuracy)."""

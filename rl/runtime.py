@@ -149,18 +149,17 @@ class Runtime:
         self.total_optimizer_steps = total_optimizer_steps
         gpus = 1 if self.placement.trainer_device == "cuda" else 0
         egpus = cfg.rollout.tensor_parallel_size if self.placement.engine_device != "cpu" else 0
-        slurm = cfg.cluster.kind == "slurm"
         self.trainer_spec, self.rollout_spec = make_layout(
             cfg.trainer.num_ranks, cfg.rollout.num_engines, gpus, egpus,
-            trainer_nodes=cfg.cluster.trainer.nodes if slurm else 1,
-            rollout_nodes=cfg.cluster.rollout.nodes if slurm else 1)
+            trainer_nodes=cfg.cluster.num_nodes("trainer"),
+            rollout_nodes=cfg.cluster.num_nodes("rollout"))
         self._pgs = []
         self.restarts = 0
         self.abandoned = False
         """A generation was given up on (stop request): engines may still be busy with it."""
         t0 = time.perf_counter()
         # Several trainer nodes: the rendezvous is wherever rank 0 landed (else this machine).
-        multi_node = slurm and cfg.cluster.trainer.nodes > 1
+        multi_node = cfg.cluster.num_nodes("trainer") > 1
         self.trainers = self._start(self.trainer_spec, TrainerWorker, self._trainer_args,
                                     on_placed=self._pick_master if multi_node else None)
         self.engines = self._start(self.rollout_spec, EngineHost, self._engine_args)

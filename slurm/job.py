@@ -23,7 +23,6 @@ Every transition is an event in RUN_DIR/lifecycle.jsonl (`launch.status` reads i
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import signal
 import subprocess
@@ -32,6 +31,7 @@ import typing as tp
 from launch.job import Requeue, lifecycle, run_job
 from rl.config import Config
 from rl.signals import EXIT_REQUEUE, StopRequest
+from slurm import env as slurm_env
 from slurm.ray_cluster import RayCluster, RayClusterError, start_ray, stop_ray
 
 log = logging.getLogger(__name__)
@@ -39,11 +39,6 @@ log = logging.getLogger(__name__)
 
 class RequeueLimit(RuntimeError):
     """Stopped with a checkpoint, but the job was already requeued `cluster.max_requeues` times."""
-
-
-def restart_count() -> int:
-    """How often Slurm has restarted this job (SLURM_RESTART_COUNT; 0 on the first run)."""
-    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
 
 
 def slurm_main(cfg: Config, resume: bool = True, force: bool = False) -> dict:
@@ -55,8 +50,8 @@ def slurm_main(cfg: Config, resume: bool = True, force: bool = False) -> dict:
         RequeueLimit when stopped with a checkpoint but not allowed to requeue again.
     """
     stop = StopRequest().install()
-    job_id = os.environ.get("SLURM_JOB_ID", "?")
-    restarts = restart_count()
+    job_id = slurm_env.job_id() or "?"
+    restarts = slurm_env.restart_count()
     print(f"Slurm job {job_id}, restart {restarts}, driver on {socket.gethostname()}; "
           f"run directory {cfg.run_dir.resolve()}", flush=True)
     cluster = None

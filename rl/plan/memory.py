@@ -102,7 +102,7 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
     n, stage, P = t.num_ranks, t.zero_stage, arch.total_params
     on_gpu = cl.gpus_per_node > 0
     local = cfg.cluster.kind == "local"
-    nodes = 1 if local else cl.nodes   # a local run puts every rank on this machine
+    nodes = cfg.cluster.num_nodes("trainer")  # a local run puts every rank on this machine
     per_node = cl.gpus_per_node if on_gpu else math.ceil(n / nodes)
     bf16 = cfg.model.dtype == "bfloat16"
     w = 2 if bf16 else 4                      # parameter / gradient bytes

@@ -3,7 +3,7 @@ moved, and a resume refuses a change of any of them (they change what the traine
 import pytest
 
 from rl.config import ConfigError, load_config, to_dict
-from rl.run_state import config_differences
+from rl.resume import config_differences
 
 MOVED = {"activation_checkpointing": "true", "optimizer_offload": "cpu", "param_offload": "cpu",
          "attention_kernel": "fused", "nvme_path": "/nvme/x"}
