@@ -16,10 +16,11 @@ import signal
 import sys
 from pathlib import Path
 
+from launch.common import EXIT_USAGE
 from rl.cluster.groups import ROLLOUT_NODE, TRAINER_NODE
 from rl.config import Config
 from rl.console import job_log
-from rl.signals import EXIT_ABORTED, StopRequest
+from rl.signals import EXIT_ABORTED, EXIT_REQUEUE, StopRequest
 from slurm import env as slurm_env
 
 log = logging.getLogger(__name__)
@@ -73,13 +74,26 @@ def summary(cfg: Config, result) -> str:
 
 
 def exit_status(result: dict) -> int:
-    """The launcher's exit status for the dict a finished job returned (`run_job`): EXIT_ABORTED
-    when the run aborted on non-finite steps (after its checkpoint), else 0."""
-    if result.get("status") == "aborted":
+    """The launcher's exit status for the outcome a finished job returned (`run_job`,
+    `run_local_job`, `slurm.job.slurm_main`), by its `status`: EXIT_ABORTED when the run
+    aborted on non-finite steps (after its checkpoint), EXIT_REQUEUE when it stopped with a
+    checkpoint (`stopped`, `requeue_limit`), EXIT_USAGE for a config error, else 0."""
+    status = result.get("status")
+    if status == "aborted":
         print(f"run aborted at step {result.get('step')}: too many non-finite steps in a row "
               f"(checkpoint.max_bad_steps); checkpoint written in {result.get('run_dir')}",
               file=sys.stderr, flush=True)
         return EXIT_ABORTED
+    if status == "stopped":
+        print("run stopped after writing a checkpoint; run the same command to resume",
+              flush=True)
+        return EXIT_REQUEUE
+    if status == "requeue_limit":
+        print(result["message"], file=sys.stderr, flush=True)
+        return EXIT_REQUEUE
+    if status == "config_error":
+        print(f"config error: {result['message']}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     return 0
 
 
@@ -145,6 +159,19 @@ def _run_job(cfg: Config, resume: bool, force: bool, stop: StopRequest | None) -
     if result.status == "stopped":
         raise Requeue(f"stopped on {stop.signal_name} at step {result.step}; checkpoint written")
     return out
+
+
+def run_local_job(cfg: Config, resume: bool = True, force: bool = False) -> dict:
+    """`run_job` as the local launcher submits it: a stop (`Requeue`) and a config error are
+    outcomes it returns (status `stopped`, `config_error`), typed for `exit_status`, instead of
+    exceptions whose text submitit would hand back."""
+    from rl.config import ConfigError
+    try:
+        return run_job(cfg, resume, force)
+    except Requeue as e:
+        return {"status": "stopped", "message": str(e), "run_dir": str(cfg.run_dir)}
+    except ConfigError as e:
+        return {"status": "config_error", "message": str(e), "run_dir": str(cfg.run_dir)}
 
 
 if __name__ == "__main__":  # pragma: no cover - run through launch.submit
