@@ -13,9 +13,10 @@ class Evaluator:
     """The periodic held-out evaluation: when it is due, running it (with engine recovery), and
     the evaluation a stop skipped, which the resumed run owes (`pending`)."""
 
-    def __init__(self, cfg, source, runtime, publisher):
-        """`source`: `rl.data.source.PromptSource`; `publisher`: `rl.publisher.WeightPublisher`."""
-        self.cfg, self.source, self.runtime, self.publisher = cfg, source, runtime, publisher
+    def __init__(self, cfg, source, rollout, publisher):
+        """`source`: `rl.data.source.PromptSource`; `rollout`: `rl.cluster.facades.RolloutGroup`;
+        `publisher`: `rl.publisher.WeightPublisher`."""
+        self.cfg, self.source, self.rollout, self.publisher = cfg, source, rollout, publisher
         self.rewards = RewardComputer(cfg.reward)
         self.last: dict = {}
         """The metrics of the latest evaluation."""
@@ -29,7 +30,7 @@ class Evaluator:
     def evaluate(self, step: int) -> dict:
         cfg = self.cfg
         self.last = self.publisher.retry("evaluate", lambda: evaluate(
-            self.runtime, self.source.eval_ids, self.source.eval_set, self.rewards,
+            self.rollout, self.source.eval_ids, self.source.eval_set, self.rewards,
             self.source.tokenizer, cfg.rollout.max_new_tokens, cfg.eval.pass_k,
             cfg.eval.pass_k_temperature, seed=10_007 + step), step=step)
         return self.last
@@ -49,19 +50,19 @@ class Evaluator:
         self.last, self.pending = state["last_eval"], state["eval_pending"]
 
 
-def evaluate(runtime, prompt_ids: list[list[int]], examples: list[Example], rewards: RewardComputer,
+def evaluate(rollout, prompt_ids: list[list[int]], examples: list[Example], rewards: RewardComputer,
              tokenizer, max_new_tokens: int, pass_k: int, temperature: float, seed: int) -> dict:
     """Eval metrics; {} without examples (evaluation off: nothing to score, no 0/0 accuracy)."""
     if not examples:
         return {}
-    greedy = runtime.generate(prompt_ids, SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1,
+    greedy = rollout.generate(prompt_ids, SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1,
                                                          max_new_tokens=max_new_tokens, seed=seed), seed)
     texts = [s[0].text for s in greedy]
     parts = rewards.score(texts, examples)
     out = {"eval/pass1": sum(c >= 1.0 for c in parts.correctness) / max(len(examples), 1),
            "eval/mean_reward": sum(parts.total) / max(len(examples), 1)}
     if pass_k > 1:
-        sampled = runtime.generate(prompt_ids, SamplingParams(
+        sampled = rollout.generate(prompt_ids, SamplingParams(
             n=pass_k, temperature=temperature, top_p=1.0, top_k=-1,
             max_new_tokens=max_new_tokens, seed=seed + 1), seed + 1)
         flat_texts = [s.text for group in sampled for s in group]

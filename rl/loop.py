@@ -125,13 +125,13 @@ class Run:
         self.runtime = Runtime(cfg, str(model_dir), total_optimizer_steps=opt_steps)
         self.publisher = WeightPublisher(cfg, self.runtime, self.source.probe(),
                                          lambda: self.state.step + 1, FaultInjector())
-        self.evaluator = Evaluator(cfg, self.source, self.runtime, self.publisher)
+        self.evaluator = Evaluator(cfg, self.source, self.runtime.rollout, self.publisher)
         self.pipeline = RolloutPipeline(
             cfg, self.source, Generator(self.runtime, self.publisher),
             SamplingParams.from_rollout(cfg.rollout), stop,
             checkpoint_seconds=lambda: self.checkpointer.last_seconds)
         self.checkpointer = Checkpointer(
-            cfg, self.runtime, [self.state, self.publisher, self.evaluator, self.rewards],
+            cfg, self.runtime.trainer, [self.state, self.publisher, self.evaluator, self.rewards],
             self.source, self.pipeline, resume_hash(cfg))
         self._busy_before = 0.0
 
@@ -216,7 +216,8 @@ class Run:
         # 5. train, while the engines generate ahead (a step that has started is finished, then
         #    checkpointed: the trainer ranks cannot be interrupted)
         t0 = time.perf_counter()
-        train_stats, old_logprobs = self.runtime.train(TrainBatch.from_samples(samples, adv), step)
+        train_batch = TrainBatch.from_samples(samples, adv)
+        train_stats, old_logprobs = self.runtime.trainer.train(train_batch, step)
         t_train = time.perf_counter() - t0
         # the ranks skipped (together) any optimizer step with a non-finite loss or gradient
         bad = train_stats["train/skipped"] > 0

@@ -77,7 +77,7 @@ class WeightPublisher:
             log.warning("weight sync failed (%s); engines restarted and re-synced", e)
             stats = {"seconds": 0.0, "bytes": 0, "gbytes_per_s": 0.0}
         self.weight_version = version
-        versions = self.retry("versions", self.runtime.engine_versions)
+        versions = self.retry("versions", self.runtime.rollout.versions)
         if any(v != version for v in versions):
             raise RuntimeError(f"weight sync: engines report versions {versions}, expected "
                                f"{version}")
@@ -88,8 +88,8 @@ class WeightPublisher:
     def check_logprobs(self) -> float:
         """Max |trainer - engine| log-prob over the probe sequence: proves the weights arrived."""
         prompt, response = self.probe
-        ref = self.runtime.score_trainer([prompt], [response])[0]
-        scores = self.retry("probe", lambda: self.runtime.score_engines([prompt], [response]))
+        ref = self.runtime.trainer.score([prompt], [response])[0]
+        scores = self.retry("probe", lambda: self.runtime.rollout.score([prompt], [response]))
         worst = 0.0
         for engine_scores in scores:
             worst = max(worst, max(abs(a - b) for a, b in zip(ref, engine_scores[0])))
@@ -101,7 +101,7 @@ class WeightPublisher:
 
     def busy_seconds(self) -> float:
         """Mean seconds each engine spent working so far (idle-ratio metrics)."""
-        return self.retry("busy_poll", self.runtime.engine_busy_seconds)
+        return self.retry("busy_poll", self.runtime.rollout.busy_seconds)
 
 
 class Generator:
@@ -113,8 +113,8 @@ class Generator:
         self.runtime, self.publisher = runtime, publisher
 
     def start(self, prompts: list[list[int]], sampling: SamplingParams, seed: int):
-        """A `rl.runtime.Generation` in flight (returns at once)."""
-        return self.runtime.generate_async(prompts, sampling, seed)
+        """A `rl.cluster.facades.Generation` in flight (returns at once)."""
+        return self.runtime.rollout.generate_async(prompts, sampling, seed)
 
     def finish(self, gen, prompts: list[list[int]], sampling: SamplingParams, seed: int
                ) -> tuple[list[list[Sample]], float]:

@@ -13,7 +13,7 @@ def test_resumed_run_completes_the_skipped_evaluation(tmp_path):
     cfg = load_config(None, [f"output_dir={tmp_path}", "name=run"])
     cfg.run_dir.mkdir(parents=True)
     (cfg.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    evaluator = Evaluator(cfg, source=None, runtime=None, publisher=None)
+    evaluator = Evaluator(cfg, source=None, rollout=None, publisher=None)
     evaluator.load_state_dict({"last_eval": {}, "eval_pending": 3})
     evaluated = []
     evaluator.evaluate = lambda step: evaluated.append(step) or {"eval/pass1": 0.5}

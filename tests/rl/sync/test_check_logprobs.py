@@ -2,6 +2,8 @@
 a difference above `sync.check_logprobs_tol` stops the run. `WeightPublisher.check_logprobs` against
 a runtime whose engines answer with chosen offsets from the trainer's log-probs (the real
 scoring is covered by the loop tests, where the check passes)."""
+from types import SimpleNamespace
+
 import pytest
 
 from rl.config import load_config
@@ -18,6 +20,9 @@ class OffsetRuntime:
 
     def __init__(self, *offsets):
         self.offsets, self.asked = offsets, []
+
+        self.trainer = SimpleNamespace(score=self.score_trainer)
+        self.rollout = SimpleNamespace(score=self.score_engines)
 
     def score_trainer(self, prompt_ids, response_ids):
         self.asked.append((prompt_ids, response_ids))
