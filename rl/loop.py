@@ -89,7 +89,7 @@ def run(cfg: Config, *, resume: bool = True, force: bool = False,
     setup_logging(cfg.run_dir)
     check_and_save_config(cfg, resume, force)
     model_dir = warm_start_dir(cfg)  # the SFT warm start (cached), when model.warm_start
-    r = Run(cfg, model_dir, stop or StopRequest())
+    r = Run(cfg, model_dir, stop or StopRequest())  # starts the worker groups
     try:
         r.start(resume, force, restart)
         return r.train()
@@ -98,6 +98,7 @@ def run(cfg: Config, *, resume: bool = True, force: bool = False,
 
 
 class Run:
+    """One run: its parts, each owning its state, and the loop over its steps (`train`)."""
     cfg: Config
     state: TrainState
     source: PromptSource
@@ -120,7 +121,6 @@ class Run:
         self.source = PromptSource.from_model_dir(cfg, model_dir)
         self.rewards = RewardComputer(cfg.reward)
         self.recorder = Recorder(cfg)
-        self.runtime = None
         opt_steps = cfg.num_steps * cfg.trainer.ppo_epochs * cfg.trainer.num_mini_batches
         self.runtime = Runtime(cfg, str(model_dir), total_optimizer_steps=opt_steps)
         self.publisher = WeightPublisher(cfg, self.runtime, self.source.probe(),
@@ -301,5 +301,4 @@ class Run:
 
     def close(self) -> None:
         self.recorder.close()
-        if self.runtime is not None:
-            self.runtime.shutdown()
+        self.runtime.shutdown()
