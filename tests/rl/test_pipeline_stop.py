@@ -83,9 +83,8 @@ class _Generator:
 def _pipeline(runtime, *overrides, grace: float = 1.0):
     cfg = load_config("configs/local.yaml", ["algorithm.prompts_per_step=2", "rollout.n_samples=2",
                                              f"checkpoint.grace_period_s={grace}", *overrides])
-    ctx = SimpleNamespace(runtime=runtime, sampler=_Source().sampler)
     source = _Source()
-    source.sampler = ctx.sampler
+    ctx = SimpleNamespace(runtime=runtime, sampler=source.sampler)
     sampling = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=8, seed=0)
     stop = StopRequest()
     return RolloutPipeline(cfg, source, _Generator(runtime), sampling, stop), ctx, stop
