@@ -74,8 +74,8 @@ def prompt_ids(example: Example, tokenizer: Any, cfg: DataConfig) -> list[int]:
 
 
 def encode_prompt(example: Example, tokenizer: Any, cfg: DataConfig) -> list[int]:
-    """The prompt as the policy is trained on it, by RL and by the SFT warm start alike: `prompt_ids`
-    cut to its last `cfg.max_prompt_tokens` tokens."""
+    """The prompt as the policy is trained on it, by RL and by the SFT warm start alike:
+    `prompt_ids` cut to its last `cfg.max_prompt_tokens` tokens."""
     return prompt_ids(example, tokenizer, cfg)[-cfg.max_prompt_tokens:]
 
 

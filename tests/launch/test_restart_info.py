@@ -19,7 +19,8 @@ def _events(path, *events):
 
 def test_first_start_outside_slurm_logs_zeros(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
-    info = RestartInfo(count=slurm_env.restart_count(), previous_signal=previous_stop_signal(tmp_path))
+    info = RestartInfo(count=slurm_env.restart_count(),
+                       previous_signal=previous_stop_signal(tmp_path))
     assert info.metrics() == {"slurm/restart_count": 0.0, "slurm/requeue_signal": 0.0}
 
 
@@ -34,7 +35,8 @@ def test_restart_logs_count_and_the_signal_that_stopped_the_previous_life(tmp_pa
     with open(tmp_path / "lifecycle.jsonl", "a") as f:
         f.write('{"event": "sta')  # a line cut by a kill is skipped
         f.write("\n" + json.dumps({"event": "start", "restart_count": 2}) + "\n")
-    info = RestartInfo(count=slurm_env.restart_count(), previous_signal=previous_stop_signal(tmp_path))
+    info = RestartInfo(count=slurm_env.restart_count(),
+                       previous_signal=previous_stop_signal(tmp_path))
     assert info.metrics() == {"slurm/restart_count": 2.0, "slurm/requeue_signal": 12.0}
 
 
