@@ -102,7 +102,7 @@ def planned(config: dict, run: dict, checkpointing: bool):
             "cluster.rollout.gpus_per_node=1", f"trainer.micro_batch_tokens={run['batch'] * seq}",
             f"rollout.max_model_len={seq}", f"rollout.max_new_tokens={seq}",
             "rollout.quantization=fp8", f"plan.model_config={path}", "plan.overhead_gb=0",
-            f"plan.activation_checkpointing={str(checkpointing).lower()}"])
+            f"trainer.activation_checkpointing={str(checkpointing).lower()}"])
         return check(cfg, "validation")
 
 

@@ -28,6 +28,7 @@ def main() -> None:
     from rl.cluster.groups import free_port
     from rl.config import AlgorithmConfig, SyncConfig, TrainerConfig
     from rl.rollout.native.model import Shape
+    from rl.trainer.batch import TrainBatch
     from rl.trainer.worker import RankInfo, TrainerWorker
 
     args = parse_args(__doc__.splitlines()[0], lambda p: (
@@ -57,11 +58,11 @@ def main() -> None:
                                     master_port=free_port()), 0, steps + 1)
     rng = random.Random(0)
     vocab = fields["vocab_size"]
-    batch = {"prompt_ids": [[rng.randrange(2, vocab) for _ in range(prompt)] for _ in range(seqs)],
-             "response_ids": [[rng.randrange(2, vocab) for _ in range(response)]
-                              for _ in range(seqs)]}
-    batch["rollout_logprobs"] = [[-11.0] * response for _ in range(seqs)]
-    batch["advantages"] = [1.0 if i % 2 else -1.0 for i in range(seqs)]
+    batch = TrainBatch(
+        prompt_ids=[[rng.randrange(2, vocab) for _ in range(prompt)] for _ in range(seqs)],
+        response_ids=[[rng.randrange(2, vocab) for _ in range(response)] for _ in range(seqs)],
+        rollout_logprobs=[[-11.0] * response for _ in range(seqs)],
+        advantages=[1.0 if i % 2 else -1.0 for i in range(seqs)])
     times = []
     for step in range(steps + 1):
         sync()

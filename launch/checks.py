@@ -2,7 +2,7 @@
 no allocation): the Slurm options, the run directory's config on resume, and the data files.
 
 Each failure is one line on stderr and exit status 2 (`launch.common.fail`). The job repeats the
-resume check (`rl.run_state.open_run`) as a safety net; the data it reads is the same.
+resume check (`rl.resume.check_and_save_config`) as a safety net; the data it reads is the same.
 """
 from __future__ import annotations
 
@@ -29,12 +29,11 @@ def check_slurm_params_or_exit(cfg: Config) -> None:
 
 def check_resume_or_exit(cfg: Config, force: bool) -> None:
     """Exit 2 when RUN_DIR/config.yaml holds a config that differs from `cfg` in keys that matter
-    (`rl.run_state.RESUME_IGNORED` lists those that do not). `force`: resume anyway."""
+    (`rl.resume.RESUME_IGNORED` lists those that do not). `force`: resume anyway."""
     saved = cfg.run_dir / "config.yaml"
     if not saved.is_file():
         return
-    # rl.run_state imports torch: only pay for it when there is a run to compare with.
-    from rl.run_state import config_differences
+    from rl.resume import config_differences
     try:
         old = yaml.safe_load(saved.read_text())
     except (OSError, yaml.YAMLError) as e:

@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
+from launch.common import EXIT_USAGE
 from rl.cluster.groups import ROLLOUT_NODE, TRAINER_NODE
 from rl.config import Config
 from rl.console import job_log
-from rl.signals import EXIT_ABORTED, StopRequest
+from rl.signals import EXIT_ABORTED, EXIT_REQUEUE, StopRequest
+from slurm import env as slurm_env
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +74,26 @@ def summary(cfg: Config, result) -> str:
 
 
 def exit_status(result: dict) -> int:
-    """The launcher's exit status for the dict a finished job returned (`run_job`): EXIT_ABORTED
-    when the run aborted on non-finite steps (after its checkpoint), else 0."""
-    if result.get("status") == "aborted":
+    """The launcher's exit status for the outcome a finished job returned (`run_job`,
+    `run_local_job`, `slurm.job.slurm_main`), by its `status`: EXIT_ABORTED when the run
+    aborted on non-finite steps (after its checkpoint), EXIT_REQUEUE when it stopped with a
+    checkpoint (`stopped`, `requeue_limit`), EXIT_USAGE for a config error, else 0."""
+    status = result.get("status")
+    if status == "aborted":
         print(f"run aborted at step {result.get('step')}: too many non-finite steps in a row "
               f"(checkpoint.max_bad_steps); checkpoint written in {result.get('run_dir')}",
               file=sys.stderr, flush=True)
         return EXIT_ABORTED
+    if status == "stopped":
+        print("run stopped after writing a checkpoint; run the same command to resume",
+              flush=True)
+        return EXIT_REQUEUE
+    if status == "requeue_limit":
+        print(result["message"], file=sys.stderr, flush=True)
+        return EXIT_REQUEUE
+    if status == "config_error":
+        print(f"config error: {result['message']}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     return 0
 
 
@@ -88,6 +104,27 @@ def lifecycle(cfg: Config, event: str, **fields) -> None:
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     with open(cfg.run_dir / "lifecycle.jsonl", "a") as f:
         f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+
+
+def previous_stop_signal(run_dir: Path) -> int:
+    """The number of the signal that stopped this run's previous life, from the `reason` of the
+    events `lifecycle` appended between the previous and the latest `start` (0 if none: a first
+    start, or a life killed before it could record one)."""
+    events = []
+    path = run_dir / "lifecycle.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
+    previous = events[starts[-2] + 1: starts[-1]] if len(starts) >= 2 else []
+    signum = 0
+    for e in previous:
+        if str(e.get("reason")) in signal.Signals.__members__:
+            signum = int(signal.Signals[e["reason"]])
+    return signum
 
 
 def run_job(cfg: Config, resume: bool = True, force: bool = False,
@@ -103,16 +140,18 @@ def _run_job(cfg: Config, resume: bool, force: bool, stop: StopRequest | None) -
     from launch.common import quiet_libraries
     from rl.console import say
     from rl.loop import run
+    from rl.recorder import RestartInfo
     quiet_libraries()
     stop = (stop or StopRequest()).install()
-    restart_count = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    lifecycle(cfg, "start", restart_count=restart_count, job_id=os.environ.get("SLURM_JOB_ID"))
+    restart_count = slurm_env.restart_count()
+    lifecycle(cfg, "start", restart_count=restart_count, job_id=slurm_env.job_id())
     if restart_count:
-        say(f"restart {restart_count} of Slurm job {os.environ.get('SLURM_JOB_ID')}")
+        say(f"restart {restart_count} of Slurm job {slurm_env.job_id()}")
     if cfg.cluster.kind == "local":
         start_local_ray(cfg)
         stop.install()  # again: ray.init replaced the SIGTERM handler with sys.exit
-    result = run(cfg, resume=resume, force=force, stop=stop)
+    restart = RestartInfo(count=restart_count, previous_signal=previous_stop_signal(cfg.run_dir))
+    result = run(cfg, resume=resume, force=force, stop=stop, restart=restart)
     lifecycle(cfg, result.status, step=result.step, reason=stop.signal_name)
     say(summary(cfg, result))
     out = summary_record(cfg, result)
@@ -120,6 +159,19 @@ def _run_job(cfg: Config, resume: bool, force: bool, stop: StopRequest | None) -
     if result.status == "stopped":
         raise Requeue(f"stopped on {stop.signal_name} at step {result.step}; checkpoint written")
     return out
+
+
+def run_local_job(cfg: Config, resume: bool = True, force: bool = False) -> dict:
+    """`run_job` as the local launcher submits it: a stop (`Requeue`) and a config error are
+    outcomes it returns (status `stopped`, `config_error`), typed for `exit_status`, instead of
+    exceptions whose text submitit would hand back."""
+    from rl.config import ConfigError
+    try:
+        return run_job(cfg, resume, force)
+    except Requeue as e:
+        return {"status": "stopped", "message": str(e), "run_dir": str(cfg.run_dir)}
+    except ConfigError as e:
+        return {"status": "config_error", "message": str(e), "run_dir": str(cfg.run_dir)}
 
 
 if __name__ == "__main__":  # pragma: no cover - run through launch.submit

@@ -11,6 +11,7 @@ a malformed data row (`--no-data-check` for files only the job's nodes can read)
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -21,17 +22,16 @@ from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
                            split_config_args, stream_errors, stream_output)
 from launch.rundir import archive_run_dir
 from rl.console import job_log
-from rl.signals import EXIT_REQUEUE
 
 
 def run_local(cfg, args) -> int:
     import submitit
-    from launch.job import exit_status, run_job
+    from launch.job import exit_status, run_local_job
     folder = cfg.run_dir / "submitit"
     folder.mkdir(parents=True, exist_ok=True)
     executor = submitit.LocalExecutor(folder=str(folder))
     executor.update_parameters(timeout_min=24 * 60)
-    job = executor.submit(run_job, cfg, force=args.force)  # resumes whatever the run dir holds
+    job = executor.submit(run_local_job, cfg, force=args.force)  # resumes what the run dir holds
     verbose = cfg.logging.verbose
     warm = "the SFT warm start (unless cached), then " if cfg.model.warm_start else ""
     print(f"local job {job.job_id} started in {cfg.run_dir.resolve()}: {warm}"
@@ -42,11 +42,12 @@ def run_local(cfg, args) -> int:
               "(logging.verbose=true prints it here)", flush=True)
 
     def forward(signum, _frame):  # Ctrl-C / TERM: ask the job to checkpoint and stop
-        # submitit's local controller forwards SIGTERM to the task, where rl.signals handles it.
+        # submitit's local controller forwards SIGTERM to the task, where rl.signals handles it;
+        # a local job's id is its controller's process id.
         print(f"\n{signal.Signals(signum).name}: asking the job to checkpoint and stop", flush=True)
         try:
-            job._process.send_signal(signal.SIGTERM)
-        except Exception:  # noqa: BLE001 - the job may already be gone
+            os.kill(int(job.job_id), signal.SIGTERM)
+        except (OSError, ValueError):  # the job may already be gone
             pass
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
@@ -63,16 +64,8 @@ def run_local(cfg, args) -> int:
     stream_output(job.paths.stdout, out_pos, quiet=not verbose)
     stream_err(err_pos)
     try:
-        result = job.result()
-    except Exception as e:  # noqa: BLE001 - submitit wraps the job's exception
-        text = str(e)
-        if "Requeue" in text:
-            print("run stopped after writing a checkpoint; run the same command to resume", flush=True)
-            return EXIT_REQUEUE
-        if "ConfigError" in text:
-            # the exception line, not a source line of the traceback (`raise ConfigError(...`)
-            line = next((ln for ln in reversed(text.splitlines()) if "ConfigError:" in ln), text)
-            fail("config error: " + line.split("ConfigError:", 1)[-1].strip())
+        result = job.result()  # expected ends (stopped, config error) are outcomes, not errors
+    except Exception:  # noqa: BLE001 - submitit wraps the job's exception
         where = "" if verbose else f" and {job_log(cfg.run_dir)}"
         print(f"job failed; full log: {job.paths.stderr}{where}", file=sys.stderr)
         return 1

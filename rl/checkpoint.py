@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import random
 import shutil
 import socket
 import time
@@ -162,3 +163,63 @@ class CheckpointManager:
         for tmp in self.root.glob(".tmp-step_*"):
             log.warning("ignoring interrupted checkpoint write %s", tmp)
         return None
+
+
+class Checkpointer:
+    """The run's checkpoint, assembled from its stateful components (torchtitan style): the
+    trainer group writes its DeepSpeed state; driver.pt holds `state` (the merged flat
+    `state_dict`s of `counters`), `sampler` and `pending` (their `state_dict`s) and the driver's
+    RNGs. Each component has `state_dict()` and `load_state_dict(d)`."""
+
+    def __init__(self, cfg, trainer, counters: list, sampler, pending, config_hash: str):
+        self.cfg, self.trainer, self.config_hash = cfg, trainer, config_hash
+        self.counters, self.sampler, self.pending = counters, sampler, pending
+        self.manager = CheckpointManager(cfg.run_dir, cfg.checkpoint.keep_last,
+                                         cfg.checkpoint.keep_every)
+        self.last_saved_step: int | None = None
+
+    @property
+    def last_seconds(self) -> float | None:
+        return self.manager.last_seconds
+
+    def due(self, step: int) -> bool:
+        return bool(self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0)
+
+    def load_latest(self, force: bool) -> Path | None:
+        """Restore every component from the newest complete checkpoint (None: there is none).
+        A checkpoint of a config that differs in keys that matter is refused unless `force`."""
+        from rl.config import ConfigError
+        found = self.manager.latest()
+        if found is None:
+            return None
+        path, manifest = found
+        if manifest.get("config_hash") != self.config_hash and not force:
+            raise ConfigError(f"{self.cfg.run_dir}: refusing to resume from {path.name}: the "
+                              "config differs in keys that matter (see above; pass --force to "
+                              "override)")
+        self.trainer.load(str(path / "trainer"), "ds")
+        driver = torch.load(path / "driver.pt", weights_only=False)
+        for c in self.counters:
+            c.load_state_dict(driver["state"])
+        self.sampler.load_state_dict(driver["sampler"])
+        self.pending.load_state_dict(driver.get("pending", []))
+        random.setstate(driver["python_rng"])
+        torch.set_rng_state(driver["torch_rng"])
+        self.last_saved_step = driver["state"]["step"]
+        return path
+
+    def save(self) -> Path:
+        state: dict = {}
+        for c in self.counters:
+            state.update(c.state_dict())
+
+        def payload(tmp: Path) -> None:
+            self.trainer.save(str(tmp / "trainer"), "ds", {"step": state["step"]})
+            torch.save({"state": state, "sampler": self.sampler.state_dict(),
+                        "pending": list(self.pending.state_dict()),
+                        "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()},
+                       tmp / "driver.pt")
+
+        path = self.manager.save(state["step"], state["weight_version"], self.config_hash, payload)
+        self.last_saved_step = state["step"]
+        return path

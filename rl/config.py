@@ -281,6 +281,20 @@ class TrainerConfig:
     torch_threads: int = 1
     """torch threads of each trainer rank (`torch.set_num_threads`); also OMP_NUM_THREADS of every
     trainer and engine process."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward (transformers' gradient checkpointing)."""
+    optimizer_offload: Literal["none", "cpu", "nvme"] = "none"
+    """DeepSpeed `offload_optimizer` device: fp32 master weights, Adam moments and gradient
+    partitions in host RAM (`cpu`) or on local NVMe (`nvme`, ZeRO-Infinity). Needs
+    zero_stage >= 1."""
+    param_offload: Literal["none", "cpu"] = "none"
+    """DeepSpeed `offload_param` (ZeRO-3 only): the bf16 parameter partition lives in host RAM."""
+    attention_kernel: Literal["auto", "eager", "fused"] = "auto"
+    """The trainer's attention kernel (the memory planner's activation estimate reads it).
+    `auto`: what transformers runs (eager for deepseek_v4, whose (heads x S x S) scores are
+    counted; SDPA otherwise). `fused`: an O(S)-memory kernel (flash-style)."""
+    nvme_path: str = "/local_nvme/deepspeed"
+    """Where ZeRO-Infinity puts optimizer state with `optimizer_offload: nvme` (node-local disk)."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_ranks", "lr", "micro_batch_tokens", "ppo_epochs", "num_mini_batches",
@@ -481,6 +495,10 @@ class ClusterConfig:
     slurm_params: dict[str, str] = field(default_factory=dict)
     """Extra sbatch options applied to both components (validated against a table)."""
 
+    def num_nodes(self, group: Literal["trainer", "rollout"]) -> int:
+        """Machines the group spans: its `nodes` under Slurm; a local run is one machine."""
+        return getattr(self, group).nodes if self.kind == "slurm" else 1
+
     def __post_init__(self) -> None:
         _non_negative(self, "max_requeues", "signal_before_end_s", "ray_object_store_mb")
         _positive(self, "ray_start_timeout_s", "placement_timeout_s")
@@ -509,8 +527,8 @@ class SftConfig:
 class PlanConfig:
     """Inputs of the memory planner (`python -m launch.plan`, checked by `launch.submit`).
 
-    Memory sizes are GiB (2**30 bytes). The offload and checkpointing fields describe what the
-    trainer runs; the planner reads them to predict per-GPU and per-node memory.
+    Memory sizes are GiB (2**30 bytes). What the trainer runs (offload, activation checkpointing,
+    attention kernel) is `trainer.`'s; the planner reads it from there.
     """
     gpu_memory_gb: float = 140.0
     """Memory of one GPU: H200 140 (141 GB nominal; CUDA reports ~139.8 GiB), H100 79, MI300X 192."""
@@ -519,22 +537,9 @@ class PlanConfig:
     `cluster.trainer.mem_gb` is set, the smaller of the two is used (Slurm caps the job there)."""
     nvme_gb: float = 0.0
     """Local NVMe of one trainer node for `optimizer_offload: nvme` (DGX H200: 8 x 3.84 TB, ~28600)."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer in backward (transformers' gradient checkpointing)."""
-    optimizer_offload: Literal["none", "cpu", "nvme"] = "none"
-    """DeepSpeed `offload_optimizer` device: fp32 master weights, Adam moments and gradient
-    partitions in host RAM (`cpu`) or on local NVMe (`nvme`, ZeRO-Infinity). Needs zero_stage >= 1."""
-    param_offload: Literal["none", "cpu"] = "none"
-    """DeepSpeed `offload_param` (ZeRO-3 only): the bf16 parameter partition lives in host RAM."""
-    attention_kernel: Literal["auto", "eager", "fused"] = "auto"
-    """The trainer's attention kernel for the activation estimate. `auto`: what transformers runs
-    (eager for deepseek_v4, whose (heads x S x S) scores are counted; SDPA otherwise). `fused`:
-    an O(S)-memory kernel (flash-style)."""
     overhead_gb: float = 5.0
     """Per-GPU memory outside the estimate: CUDA context, NCCL buffers, allocator slack; on the
     rollout side also vLLM's profiled activation peak and CUDA graphs."""
-    nvme_path: str = "/local_nvme/deepspeed"
-    """Where ZeRO-Infinity puts optimizer state with `optimizer_offload: nvme` (node-local disk)."""
     model_config: str | None = None
     """A config.json to plan with when `model.path` is not present on this machine (the
     planner reads only config.json, never weights)."""
@@ -679,7 +684,10 @@ def _convert(value: Any, tp: Any, where: str, key: str) -> Any:
 
 
 # Keys that moved: an old config gets one line saying where, instead of "unknown key".
-MOVED_KEYS = {"plan.kv_cache_dtype": "rollout.kv_cache_dtype"}
+MOVED_KEYS = {"plan.kv_cache_dtype": "rollout.kv_cache_dtype",
+              **{f"plan.{k}": f"trainer.{k}" for k in (
+                  "activation_checkpointing", "optimizer_offload", "param_offload", "nvme_path",
+                  "attention_kernel")}}
 
 
 def _build(cls: type, data: dict, where: "str | typing.Callable[[str], str]",

@@ -27,7 +27,7 @@ from typing import Iterator, TextIO
 
 LOG_SUBDIR = "logs"
 JOB_LOG = "job.log"
-CONSOLE_INFO_LOGGERS = ("rl.runtime", "rl.checkpoint", "rl.run_state")
+CONSOLE_INFO_LOGGERS = ("rl.runtime", "rl.checkpoint", "rl.loop", "rl.publisher")
 """Driver loggers whose INFO records are progress a user wants to see (the rest stay in the log)."""
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -9,19 +9,60 @@ from rl.rewards.computer import RewardComputer
 from rl.rollout.base import SamplingParams
 
 
-def evaluate(runtime, prompt_ids: list[list[int]], examples: list[Example], rewards: RewardComputer,
+class Evaluator:
+    """The periodic held-out evaluation: when it is due, running it (with engine recovery), and
+    the evaluation a stop skipped, which the resumed run owes (`pending`)."""
+
+    def __init__(self, cfg, source, rollout, publisher):
+        """`source`: `rl.data.source.PromptSource`; `rollout`: `rl.cluster.facades.RolloutGroup`;
+        `publisher`: `rl.publisher.WeightPublisher`."""
+        self.cfg, self.source, self.rollout, self.publisher = cfg, source, rollout, publisher
+        self.rewards = RewardComputer(cfg.reward)
+        self.last: dict = {}
+        """The metrics of the latest evaluation."""
+        self.pending: int | None = None
+        """A step whose evaluation a stop skipped (checkpoint first); the resumed run does it."""
+
+    def due(self, step: int) -> bool:
+        return bool(self.cfg.eval.every and step % self.cfg.eval.every == 0
+                    or step == self.cfg.num_steps)
+
+    def evaluate(self, step: int) -> dict:
+        cfg = self.cfg
+        self.last = self.publisher.retry("evaluate", lambda: evaluate(
+            self.rollout, self.source.eval_ids, self.source.eval_set, self.rewards,
+            self.source.tokenizer, cfg.rollout.max_new_tokens, cfg.eval.pass_k,
+            cfg.eval.pass_k_temperature, seed=10_007 + step), step=step)
+        return self.last
+
+    def evaluate_pending(self) -> tuple[int, dict] | None:
+        """(step, metrics) of the evaluation a stop skipped: the same weights (restored and
+        synced) and seed as the uninterrupted run's; None when none is owed."""
+        if self.pending is None:
+            return None
+        step, self.pending = self.pending, None
+        return step, self.evaluate(step)
+
+    def state_dict(self) -> dict:
+        return {"last_eval": self.last, "eval_pending": self.pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last, self.pending = state["last_eval"], state["eval_pending"]
+
+
+def evaluate(rollout, prompt_ids: list[list[int]], examples: list[Example], rewards: RewardComputer,
              tokenizer, max_new_tokens: int, pass_k: int, temperature: float, seed: int) -> dict:
     """Eval metrics; {} without examples (evaluation off: nothing to score, no 0/0 accuracy)."""
     if not examples:
         return {}
-    greedy = runtime.generate(prompt_ids, SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1,
+    greedy = rollout.generate(prompt_ids, SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1,
                                                          max_new_tokens=max_new_tokens, seed=seed), seed)
     texts = [s[0].text for s in greedy]
     parts = rewards.score(texts, examples)
     out = {"eval/pass1": sum(c >= 1.0 for c in parts.correctness) / max(len(examples), 1),
            "eval/mean_reward": sum(parts.total) / max(len(examples), 1)}
     if pass_k > 1:
-        sampled = runtime.generate(prompt_ids, SamplingParams(
+        sampled = rollout.generate(prompt_ids, SamplingParams(
             n=pass_k, temperature=temperature, top_p=1.0, top_k=-1,
             max_new_tokens=max_new_tokens, seed=seed + 1), seed + 1)
         flat_texts = [s.text for group in sampled for s in group]

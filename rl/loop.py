@@ -3,25 +3,36 @@
 With `algorithm.max_staleness >= 1` the rollout of the next steps overlaps the training of this
 one (`rl.pipeline`); the steps read the same either way.
 
-Heavy lifting lives in the components; this file should read like the paragraph that describes
-it. `run(cfg)` returns a `RunResult`; a stop signal ends it with status "stopped" after a
-checkpoint (the caller exits with EXIT_REQUEUE).
+`Run` lists the run's parts, each owning its state (torchtitan's Trainer is the model); `step`
+is one RL step and the one place where a step is composed. Heavy lifting lives in the parts.
+`run(cfg)` returns a `RunResult`; a stop signal ends it with status "stopped" after a checkpoint
+(the caller exits with EXIT_REQUEUE).
 """
 from __future__ import annotations
 
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 import torch
 
+from rl.checkpoint import Checkpointer
 from rl.config import Config
-from rl.evaluate import mean_of_last_evals, read_metrics_jsonl
-from rl.pipeline import RolloutPipeline, stale_groups, staleness
+from rl.console import say
+from rl.data.source import PromptSource
+from rl.evaluate import Evaluator, mean_of_last_evals, read_metrics_jsonl
+from rl.faults import FaultInjector
+from rl.pipeline import RolloutBatch, RolloutPipeline, stale_groups, staleness
+from rl.publisher import Generator, WeightPublisher
+from rl.recorder import Recorder, RestartInfo, rollout_metrics
+from rl.resume import check_and_save_config, resume_hash
+from rl.rewards.computer import RewardComputer
 from rl.rollout.base import SamplingParams
-from rl.run_state import RunContext, open_run
+from rl.runtime import Runtime
 from rl.signals import StepAbandoned, StopRequest
+from rl.trainer.batch import TrainBatch
 from rl.trainer.losses import grpo_advantages
 
 log = logging.getLogger(__name__)
@@ -41,34 +52,138 @@ class RunResult:
     history: list[dict] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class TrainState:
+    """The loop's own counters (checkpointed with the other parts' state)."""
+    step: int = 0
+    warm_start_accuracy: float | None = None
+    skipped_steps: int = 0
+    bad_in_a_row: int = 0
+    dropped_samples: int = 0
+    """Samples dropped for being older than algorithm.max_staleness (cumulative)."""
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in fields(self):
+            setattr(self, f.name, state[f.name])
+
+
+def setup_logging(run_dir: Path) -> None:
+    root = logging.getLogger()
+    if not any(isinstance(h, logging.FileHandler) and h.baseFilename == str(run_dir / "driver.log")
+               for h in root.handlers):
+        fh = logging.FileHandler(run_dir / "driver.log")
+        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(fh)
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+
+
 def run(cfg: Config, *, resume: bool = True, force: bool = False,
-        stop: StopRequest | None = None) -> RunResult:
-    stop = stop or StopRequest()
-    ctx = open_run(cfg, resume=resume, force=force)
+        stop: StopRequest | None = None, restart: RestartInfo = RestartInfo()) -> RunResult:
+    """`restart`: how this life began (the launcher reads the scheduler's environment)."""
+    from rl.sft import warm_start_dir
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(cfg.run_dir)
+    check_and_save_config(cfg, resume, force)
+    model_dir = warm_start_dir(cfg)  # the SFT warm start (cached), when model.warm_start
+    r = Run(cfg, model_dir, stop or StopRequest())  # starts the worker groups
     try:
-        return _loop(ctx, stop)
+        r.start(resume, force, restart)
+        return r.train()
     finally:
-        ctx.close()
+        r.close()
 
 
-def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
-    cfg, rt, state = ctx.cfg, ctx.runtime, ctx.state
-    result = RunResult(status="done", step=state.step, run_dir=str(ctx.run_dir),
-                       warm_start_accuracy=state.warm_start_accuracy)
-    if state.step == 0 and cfg.eval.at_start and state.warm_start_accuracy is None:
-        metrics = ctx.evaluate(step=0)
-        state.warm_start_accuracy = result.warm_start_accuracy = metrics.get("eval/pass1")
-        ctx.log(0, metrics)
-    sampling = SamplingParams(n=cfg.rollout.n_samples, temperature=cfg.rollout.temperature,
-                              top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                              max_new_tokens=cfg.rollout.max_new_tokens, seed=0)
-    pipe = RolloutPipeline(ctx, sampling, ctx.pending, stop)
-    bound = cfg.algorithm.max_staleness
-    busy_before = ctx.engine_busy_seconds()
-    while state.step < cfg.num_steps and not stop.requested:
-        step = state.step + 1
+class Run:
+    """One run: its parts, each owning its state, and the loop over its steps (`train`)."""
+    cfg: Config
+    state: TrainState
+    source: PromptSource
+    """Train/eval prompts, encoded, and the seeded sampler."""
+    rewards: RewardComputer
+    runtime: Runtime
+    """The trainer ranks and rollout engines."""
+    publisher: WeightPublisher
+    """Weight version, engine recovery, the log-prob probe."""
+    pipeline: RolloutPipeline
+    """Each step's rollout batch (generated ahead with max_staleness >= 1)."""
+    evaluator: Evaluator
+    recorder: Recorder
+    """metrics.jsonl, TensorBoard, trajectories, console."""
+    checkpointer: Checkpointer
+
+    def __init__(self, cfg: Config, model_dir: Path, stop: StopRequest):
+        self.cfg, self.stop = cfg, stop
+        self.state = TrainState()
+        self.source = PromptSource.from_model_dir(cfg, model_dir)
+        self.rewards = RewardComputer(cfg.reward)
+        self.recorder = Recorder(cfg)
+        opt_steps = cfg.num_steps * cfg.trainer.ppo_epochs * cfg.trainer.num_mini_batches
+        self.runtime = Runtime(cfg, str(model_dir), total_optimizer_steps=opt_steps)
+        self.publisher = WeightPublisher(cfg, self.runtime, self.source.probe(),
+                                         lambda: self.state.step + 1, FaultInjector())
+        self.evaluator = Evaluator(cfg, self.source, self.runtime.rollout, self.publisher)
+        self.pipeline = RolloutPipeline(
+            cfg, self.source, Generator(self.runtime, self.publisher),
+            SamplingParams.from_rollout(cfg.rollout), stop,
+            checkpoint_seconds=lambda: self.checkpointer.last_seconds)
+        self.checkpointer = Checkpointer(
+            cfg, self.runtime.trainer, [self.state, self.publisher, self.evaluator, self.rewards],
+            self.source, self.pipeline, resume_hash(cfg))
+        self._busy_before = 0.0
+
+    def start(self, resume: bool, force: bool, restart: RestartInfo) -> None:
+        """Restore the latest checkpoint (if `resume`), bring the engines to the trainer's
+        weights, and complete the record of the step a stop left without its evaluation."""
+        path = self.checkpointer.load_latest(force) if resume else None
+        state = self.state
+        if path is not None:
+            log.info("resumed from %s (step %d, weight version %d)", path, state.step,
+                     self.publisher.weight_version)
+            say(f"resuming {self.cfg.run_dir} from checkpoint step {state.step}")
+        self.recorder.open(state.step, resumed=path is not None, restart=restart)
+        # Engines start from the model directory: bring them to the trainer's exact weights.
+        self.publisher.publish(self.publisher.weight_version)
+        owed = self.evaluator.evaluate_pending()
+        if owed is not None:
+            self.recorder.log(*owed)
+            say(f"evaluated step {owed[0]} (skipped by the stop): pass@1 "
+                f"{owed[1].get('eval/pass1', float('nan')):.3f}")
+        self.recorder.rewind_jsonl(state.step, complete=owed)
+
+    def train(self) -> RunResult:
+        cfg, state, stop = self.cfg, self.state, self.stop
+        result = RunResult(status="done", step=state.step, run_dir=str(cfg.run_dir))
+        if state.step == 0 and cfg.eval.at_start and state.warm_start_accuracy is None:
+            metrics = self.evaluator.evaluate(step=0)
+            state.warm_start_accuracy = metrics.get("eval/pass1")
+            self.recorder.log(0, metrics)
+        self._busy_before = self.publisher.busy_seconds()
+        while state.step < cfg.num_steps and not stop.requested:
+            outcome = self.step(state.step + 1, result)
+            if outcome != "trained":
+                result.status = "aborted" if outcome == "aborted" else result.status
+                break
+        if result.status == "done" and self.checkpointer.last_saved_step != state.step:
+            self.checkpointer.save()  # the last step, or the step a stop ended on
+        if stop.requested and result.status == "done":
+            result.status = "stopped"
+        result.step = state.step
+        result.warm_start_accuracy = state.warm_start_accuracy
+        result.final_accuracy = self.evaluator.last.get("eval/pass1")
+        result.final_mean_accuracy, result.final_mean_steps = mean_of_last_evals(
+            read_metrics_jsonl(cfg.run_dir / "metrics.jsonl"))
+        return result
+
+    def step(self, step: int, result: RunResult) -> str:
+        """One RL step: `trained`, `abandoned` (a stop before training: nothing changed) or
+        `aborted` (too many non-finite steps in a row; checkpointed)."""
+        cfg, state, stop, pipe = self.cfg, self.state, self.stop, self.pipeline
         t_step = time.perf_counter()
-        before = (ctx.sampler.state_dict(), ctx.rewards.failures, state.dropped_samples)
+        before = (self.source.state_dict(), self.rewards.failures, state.dropped_samples)
         try:  # until training starts, a stop abandons the step: nothing persistent changed yet
             # 1. the step's rollout batch: generated ahead (max_staleness >= 1) or now; a dead
             #    engine is restarted, re-synced, and the generation retried
@@ -76,25 +191,17 @@ def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
             batch = pipe.take(step)
             t_rollout = time.perf_counter() - t0
             # 2. samples older than max_staleness are dropped (e.g. after lowering it on resume)
-            stale = stale_groups(batch.groups, state.weight_version, bound)
-            if any(stale) and cfg.algorithm.stale_samples == "drop":
-                state.dropped_samples += sum(len(g) for g, old in zip(batch.groups, stale) if old)
-                log.warning("step %d: dropping %d of %d prompt groups older than max_staleness %d",
-                            step, sum(stale), len(stale), bound)
-                keep = [i for i, old in enumerate(stale) if not old]
-                batch.groups = [batch.groups[i] for i in keep]
-                batch.indices = [batch.indices[i] for i in keep]
-                if not keep:  # nothing left to train on: sample the step again, on-policy
-                    batch = pipe.generate_now(step)
+            batch = self._drop_stale(step, batch)
             # 3. the next steps' batches start generating with the current weights
             pipe.launch_ahead(step, cfg.num_steps)
             # 4. rewards and advantages
             t0 = time.perf_counter()
             samples = batch.samples()
-            lags = staleness(samples, state.weight_version)
-            examples = [ctx.train[i] for i, g in zip(batch.indices, batch.groups) for _ in g]
-            parts = ctx.rewards.score([s.text for s in samples], examples,
-                                      cancelled=lambda: stop.requested)
+            lags = staleness(samples, self.publisher.weight_version)
+            examples = [self.source.train[i] for i, g in zip(batch.indices, batch.groups)
+                        for _ in g]
+            parts = self.rewards.score([s.text for s in samples], examples,
+                                       cancelled=lambda: stop.requested)
             rewards_G = torch.tensor(parts.total, dtype=torch.float32).view(len(batch.groups), -1)
             adv = grpo_advantages(rewards_G, cfg.algorithm.normalize_std).view(-1).tolist()
             t_reward = time.perf_counter() - t0
@@ -103,16 +210,14 @@ def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
         except StepAbandoned as e:
             log.warning("step %d abandoned (%s); checkpointing step %d", step, e, state.step)
             pipe.abandon()
-            ctx.sampler.load_state_dict(before[0])
-            ctx.rewards.failures, state.dropped_samples = before[1], before[2]
-            break
+            self.source.load_state_dict(before[0])
+            self.rewards.failures, state.dropped_samples = before[1], before[2]
+            return "abandoned"
         # 5. train, while the engines generate ahead (a step that has started is finished, then
         #    checkpointed: the trainer ranks cannot be interrupted)
         t0 = time.perf_counter()
-        train_batch = {"prompt_ids": [s.prompt_ids for s in samples],
-                       "response_ids": [s.response_ids for s in samples],
-                       "rollout_logprobs": [s.logprobs for s in samples], "advantages": adv}
-        train_stats, old_logprobs = rt.train(train_batch, step)
+        train_batch = TrainBatch.from_samples(samples, adv)
+        train_stats, old_logprobs = self.runtime.trainer.train(train_batch, step)
         t_train = time.perf_counter() - t0
         # the ranks skipped (together) any optimizer step with a non-finite loss or gradient
         bad = train_stats["train/skipped"] > 0
@@ -127,65 +232,73 @@ def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
         t_rollout += time.perf_counter() - t0
         t0 = time.perf_counter()
         if stop.requested:
-            state.weight_version, sync_stats = state.weight_version + 1, {}
+            self.publisher.weight_version, sync_stats = self.publisher.weight_version + 1, {}
         else:
-            sync_stats = ctx.sync(state.weight_version + 1)
+            sync_stats = self.publisher.publish(self.publisher.weight_version + 1)
         t_sync = time.perf_counter() - t0
         # 7. periodic evaluation (after a stop the checkpoint goes first: the resumed run
         #    evaluates this step's weights at its start and completes this step's record)
         t0 = time.perf_counter()
         metrics = {}
-        due = cfg.eval.every and step % cfg.eval.every == 0 or step == cfg.num_steps
-        if due and not stop.requested:
-            metrics.update(ctx.evaluate(step))
-        elif due:
-            state.eval_pending = step
+        if self.evaluator.due(step) and not stop.requested:
+            metrics.update(self.evaluator.evaluate(step))
+        elif self.evaluator.due(step):
+            self.evaluator.pending = step
         t_eval = time.perf_counter() - t0
         # 8. log, trajectories, checkpoint
         state.step = step
         t_total = time.perf_counter() - t_step
-        busy = ctx.engine_busy_seconds()
+        busy = self.publisher.busy_seconds()
         metrics.update(train_stats)
-        metrics.update(ctx.rollout_metrics(samples, parts, batch.seconds))
+        metrics.update(rollout_metrics(samples, parts, batch.seconds, cfg.rollout.n_samples,
+                                       self.rewards.failures))
         metrics.update({"sync/seconds": sync_stats.get("seconds", 0.0),
                         "sync/gbytes_per_s": sync_stats.get("gbytes_per_s", 0.0),
                         "sync/bytes": float(sync_stats.get("bytes", 0)),
                         **({"sync/logprob_max_diff": sync_stats["logprob_max_diff"]}
                            if "logprob_max_diff" in sync_stats else {}),
-                        "weights/version": float(state.weight_version),
+                        "weights/version": float(self.publisher.weight_version),
                         "rollout/staleness_mean": statistics.fmean(lags) if lags else 0.0,
                         "rollout/staleness_max": float(max(lags, default=0)),
                         "rollout/dropped_samples": float(state.dropped_samples),
                         "rollout/resumed_frac": sum(len(s.version_spans) > 1 for s in samples)
                         / max(len(samples), 1),
                         # (an engine restarted this step starts its busy count at 0: clamp)
-                        "rollout/idle_ratio": min(1.0, max(0.0, 1.0 - (busy - busy_before)
+                        "rollout/idle_ratio": min(1.0, max(0.0, 1.0 - (busy - self._busy_before)
                                                            / t_total)),
                         "trainer/idle_ratio": max(0.0, 1.0 - (t_train + t_sync) / t_total),
-                        "faults/rollout_restarts": float(rt.restarts + state.restarts_before),
+                        "faults/rollout_restarts": float(self.publisher.restarts),
                         "faults/skipped_steps": float(state.skipped_steps),
                         "time/rollout": t_rollout, "time/reward": t_reward, "time/train": t_train,
                         "time/sync": t_sync, "time/eval": t_eval, "time/step": t_total})
-        busy_before = busy
-        ctx.metrics.histogram(step, "rollout/staleness", lags)
-        ctx.record(step, metrics, batch.indices, batch.groups, parts, adv, old_logprobs, lags)
+        self._busy_before = busy
+        self.recorder.histogram(step, "rollout/staleness", lags)
+        self.recorder.record(step, metrics, batch, parts, adv, old_logprobs, lags)
         result.history.append({"step": step, **metrics})
         if state.bad_in_a_row >= cfg.checkpoint.max_bad_steps:
-            log.error("%d non-finite steps in a row: aborting with a checkpoint", state.bad_in_a_row)
-            ctx.save_checkpoint(pipe.state_dict())
-            result.status = "aborted"
-            break
-        if stop.requested or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-            ctx.save_checkpoint(pipe.state_dict())
-    if stop.requested and result.status == "done":
-        if ctx.last_saved_step != state.step:
-            ctx.save_checkpoint(pipe.state_dict())
-        result.status = "stopped"
-    elif result.status == "done" and ctx.last_saved_step != state.step:
-        ctx.save_checkpoint(pipe.state_dict())
-    result.step = state.step
-    result.warm_start_accuracy = state.warm_start_accuracy
-    result.final_accuracy = state.last_eval.get("eval/pass1")
-    result.final_mean_accuracy, result.final_mean_steps = mean_of_last_evals(
-        read_metrics_jsonl(ctx.run_dir / "metrics.jsonl"))
-    return result
+            log.error("%d non-finite steps in a row: aborting with a checkpoint",
+                      state.bad_in_a_row)
+            self.checkpointer.save()
+            return "aborted"
+        if stop.requested or self.checkpointer.due(step):
+            self.checkpointer.save()
+        return "trained"
+
+    def _drop_stale(self, step: int, batch: RolloutBatch) -> RolloutBatch:
+        """Without the prompt groups older than max_staleness (algorithm.stale_samples: drop);
+        a batch left empty is sampled again, on-policy."""
+        bound = self.cfg.algorithm.max_staleness
+        stale = stale_groups(batch.groups, self.publisher.weight_version, bound)
+        if not any(stale) or self.cfg.algorithm.stale_samples != "drop":
+            return batch
+        self.state.dropped_samples += sum(len(g) for g, old in zip(batch.groups, stale) if old)
+        log.warning("step %d: dropping %d of %d prompt groups older than max_staleness %d",
+                    step, sum(stale), len(stale), bound)
+        keep = [i for i, old in enumerate(stale) if not old]
+        batch.groups = [batch.groups[i] for i in keep]
+        batch.indices = [batch.indices[i] for i in keep]
+        return batch if keep else self.pipeline.generate_now(step)
+
+    def close(self) -> None:
+        self.recorder.close()
+        self.runtime.shutdown()

@@ -35,6 +35,9 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
+from typing import Callable
+
+from rl.config import Config
 from rl.rollout.base import Sample, SamplingParams, decode_response
 from rl.signals import StepAbandoned, StopRequest
 
@@ -94,12 +97,19 @@ def stale_groups(groups: list[list[Sample]], trainer_version: int, bound: int) -
 
 
 class RolloutPipeline:
-    """Owns the batches generated ahead of their step; the loop asks it for each step's batch."""
+    """Owns the batches generated ahead of their step; the loop asks it for each step's batch.
 
-    def __init__(self, ctx, sampling: SamplingParams, state: list[dict] | None = None,
-                 stop: StopRequest | None = None):
-        cfg = ctx.cfg
-        self.ctx, self.sampling = ctx, sampling
+    Collaborators: `source` (`rl.data.source.PromptSource`: draws prompts, holds their token
+    ids and the tokenizer), `generator` (`rl.publisher.Generator`: generations with engine
+    recovery), `checkpoint_seconds()` (how long the last checkpoint write took, or None).
+    """
+
+    def __init__(self, cfg: Config, source, generator, sampling: SamplingParams,
+                 stop: StopRequest | None = None,
+                 checkpoint_seconds: Callable[[], float | None] = lambda: None):
+        self.source, self.generator, self.sampling = source, generator, sampling
+        self.checkpoint_seconds = checkpoint_seconds
+        self.prompts_per_step = cfg.algorithm.prompts_per_step
         self.stop = stop or StopRequest()
         self.grace_s = cfg.checkpoint.grace_period_s
         self.seed = cfg.rollout.seed
@@ -107,7 +117,7 @@ class RolloutPipeline:
         self.mode = cfg.algorithm.partial_rollouts
         self.max_new = sampling.max_new_tokens
         self.budget = cfg.algorithm.partial_tokens or max(1, self.max_new // 2)
-        self.pending: list[RolloutBatch] = [RolloutBatch.from_state(d) for d in state or []]
+        self.pending: list[RolloutBatch] = []
         self._in_flight: list[tuple[RolloutBatch, object, dict]] = []
         """(batch, generation, sampler state before its prompts were drawn)."""
         self._taken: dict | None = None
@@ -118,6 +128,9 @@ class RolloutPipeline:
         if self._in_flight:
             raise RuntimeError("rollout pipeline: cannot checkpoint while generations are in flight")
         return [b.to_state() for b in self.pending]
+
+    def load_state_dict(self, state: list[dict]) -> None:
+        self.pending = [RolloutBatch.from_state(d) for d in state]
 
     @property
     def ahead_sampling(self) -> SamplingParams:
@@ -147,7 +160,7 @@ class RolloutPipeline:
         `pending` as it was, batches launched ahead are dropped unobserved (the caller rewinds the
         sampler to the step's start)."""
         if self._in_flight:
-            self.ctx.runtime.abandoned = True
+            self.generator.abandon()
         self._in_flight.clear()
         if self._taken is not None:
             self.pending.insert(0, RolloutBatch.from_state(self._taken))
@@ -155,13 +168,12 @@ class RolloutPipeline:
 
     def generate_now(self, step: int) -> RolloutBatch:
         """A fresh batch for `step` with the weights the engines hold now (blocks)."""
-        indices = self.ctx.sampler.next_indices(self.ctx.cfg.algorithm.prompts_per_step)
+        indices = self.source.draw(self.prompts_per_step)
         batch = RolloutBatch(step=step, indices=indices)
-        seed = rollout_seed(self.seed, step)
-        gen = self.ctx.runtime.generate_async(self._prompts(indices), self.sampling, seed)
+        seed, prompts = rollout_seed(self.seed, step), self.source.prompts(indices)
+        gen = self.generator.start(prompts, self.sampling, seed)
         self._await(gen, self._stopped)
-        batch.groups, batch.seconds = self.ctx.collect(gen, self._prompts(indices), self.sampling,
-                                                       seed)
+        batch.groups, batch.seconds = self.generator.finish(gen, prompts, self.sampling, seed)
         return batch
 
     def launch_ahead(self, step: int, last_step: int) -> None:
@@ -172,10 +184,10 @@ class RolloutPipeline:
         for t in range(step + 1, min(step + self.ahead, last_step) + 1):
             if t in have:
                 continue
-            drawn_from = self.ctx.sampler.state_dict()
-            indices = self.ctx.sampler.next_indices(self.ctx.cfg.algorithm.prompts_per_step)
-            gen = self.ctx.runtime.generate_async(self._prompts(indices), sampling,
-                                                  rollout_seed(self.seed, t))
+            drawn_from = self.source.state_dict()
+            indices = self.source.draw(self.prompts_per_step)
+            gen = self.generator.start(self.source.prompts(indices), sampling,
+                                       rollout_seed(self.seed, t))
             self._in_flight.append((RolloutBatch(step=t, indices=indices, ahead=True), gen,
                                     drawn_from))
 
@@ -193,24 +205,22 @@ class RolloutPipeline:
                 log.warning("stop: dropping the unfinished batches of steps %s to checkpoint within "
                             "checkpoint.grace_period_s; the resumed run generates them again with "
                             "newer weights", dropped)
-                self.ctx.sampler.load_state_dict(drawn_from)
+                self.source.load_state_dict(drawn_from)
                 break
-            batch.groups, batch.seconds = self.ctx.collect(
-                gen, self._prompts(batch.indices), sampling, rollout_seed(self.seed, batch.step))
+            batch.groups, batch.seconds = self.generator.finish(
+                gen, self.source.prompts(batch.indices), sampling,
+                rollout_seed(self.seed, batch.step))
             self.pending.append(batch)
         self._in_flight.clear()
         self.pending.sort(key=lambda b: b.step)
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _prompts(self, indices: list[int]) -> list[list[int]]:
-        return [self.ctx.train_prompt_ids[i] for i in indices]
-
     def _stopped(self) -> bool:
         return self.stop.requested
 
     def _out_of_grace(self) -> bool:
         """True once a stop request's grace period has only the checkpoint write's time left."""
-        last = self.ctx.ckpt.last_seconds
+        last = self.checkpoint_seconds()
         reserve = 1.5 * last if last is not None else self.grace_s / 2
         return self.stop.requested and self.stop.seconds_left(self.grace_s) <= reserve
 
@@ -218,7 +228,7 @@ class RolloutPipeline:
         """Blocks until `gen` is done; raises StepAbandoned as soon as `give_up()` says so."""
         while not gen.wait(poll_s):
             if give_up():
-                self.ctx.runtime.abandoned = True  # the engines finish it unobserved
+                self.generator.abandon()  # the engines finish it unobserved
                 raise StepAbandoned("stop requested while a generation was in flight")
 
     def _resume_interrupted(self, batch: RolloutBatch) -> None:
@@ -235,11 +245,11 @@ class RolloutPipeline:
                    for gi, si in cut]
         sampling = dataclasses.replace(self.sampling, n=1, max_new_tokens=budgets.pop())
         seed = resume_seed(self.seed, batch.step)
-        gen = self.ctx.runtime.generate_async(prompts, sampling, seed)
+        gen = self.generator.start(prompts, sampling, seed)
         self._await(gen, self._stopped)
-        out, seconds = self.ctx.collect(gen, prompts, sampling, seed)
+        out, seconds = self.generator.finish(gen, prompts, sampling, seed)
         batch.seconds += seconds
-        tokenizer = self.ctx.tokenizer
+        tokenizer = self.source.tokenizer
         for (gi, si), (new,) in zip(cut, out):
             old = batch.groups[gi][si]
             tokens = old.response_ids + new.response_ids

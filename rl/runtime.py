@@ -1,22 +1,24 @@
-"""The two worker groups and the wiring between them, as the driver sees them.
+"""The two worker groups and the wiring between them.
 
-`Runtime` owns N trainer ranks and M rollout engines (Ray actors, or plain processes where Ray is
-absent), the weight-sync group joining trainer rank 0 with every engine, and fault handling for
-engines (a dead engine is restarted and re-synced; the caller retries its work).
+`Runtime` starts N trainer ranks and M rollout engines (Ray actors, or plain processes where Ray
+is absent) and hands the driver their typed facades (`runtime.trainer`, `runtime.rollout`:
+`rl.cluster.facades`); it owns the weight-sync group joining trainer rank 0 with every engine,
+the weight update itself, and fault handling for engines (a dead engine is restarted and
+re-synced; the caller retries its work: `rl.publisher.WeightPublisher.retry`).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
 from dataclasses import dataclass
 
-from rl.cluster.actors import ActorDied, wait_all
+from rl.cluster.actors import ActorDied, wait_all  # noqa: F401 - ActorDied: re-exported
+from rl.cluster.facades import Generation, RolloutGroup, TrainerGroup  # noqa: F401
 from rl.cluster.groups import (GroupSpec, bundle_address, bundle_nodes, free_port, make_layout,
                                start_proc_group, start_ray_group)
 from rl.config import Config
-from rl.rollout.base import Sample, SamplingParams
+from rl.rollout.base import SamplingParams
 from rl.sync.transport import SyncError, resolve_backend
 from rl.trainer.worker import RankInfo, TrainerWorker
 
@@ -86,36 +88,6 @@ class EngineHost:
         self.engine.shutdown()
 
 
-class Generation:
-    """A generation in flight on the rollout engines; `result()` waits for it."""
-
-    def __init__(self, futures: list, n_prompts: int, num_engines: int):
-        self._futures, self._n, self._m = futures, n_prompts, num_engines
-        self.seconds = 0.0
-        """Generation wall time (the slowest engine's), set by `result()`."""
-
-    def wait(self, timeout: float) -> bool:
-        """True when every engine has answered (a dead one raises at `result`), within `timeout` s."""
-        deadline = time.monotonic() + timeout
-        for _, f in self._futures:
-            try:
-                f.result(timeout=max(deadline - time.monotonic(), 0.0))
-            except TimeoutError:
-                return False
-            except Exception:  # noqa: BLE001 - answered with an error: `result` raises it
-                pass
-        return True
-
-    def result(self) -> list[list[Sample]]:
-        per_engine = {i: f.result() for i, f in self._futures}
-        self.seconds = max((r["seconds"] for r in per_engine.values()), default=0.0)
-        out: list[list[Sample]] = [None] * self._n  # type: ignore[list-item]
-        for i, r in per_engine.items():
-            for j, samples in enumerate(r["groups"]):
-                out[i + j * self._m] = samples
-        return out
-
-
 @dataclass(slots=True)
 class Placement:
     backend: str
@@ -148,25 +120,26 @@ class Runtime:
         self.total_optimizer_steps = total_optimizer_steps
         gpus = 1 if self.placement.trainer_device == "cuda" else 0
         egpus = cfg.rollout.tensor_parallel_size if self.placement.engine_device != "cpu" else 0
-        slurm = cfg.cluster.kind == "slurm"
         self.trainer_spec, self.rollout_spec = make_layout(
             cfg.trainer.num_ranks, cfg.rollout.num_engines, gpus, egpus,
-            trainer_nodes=cfg.cluster.trainer.nodes if slurm else 1,
-            rollout_nodes=cfg.cluster.rollout.nodes if slurm else 1)
+            trainer_nodes=cfg.cluster.num_nodes("trainer"),
+            rollout_nodes=cfg.cluster.num_nodes("rollout"))
         self._pgs = []
         self.restarts = 0
         self.abandoned = False
         """A generation was given up on (stop request): engines may still be busy with it."""
         t0 = time.perf_counter()
         # Several trainer nodes: the rendezvous is wherever rank 0 landed (else this machine).
-        multi_node = slurm and cfg.cluster.trainer.nodes > 1
+        multi_node = cfg.cluster.num_nodes("trainer") > 1
         self.trainers = self._start(self.trainer_spec, TrainerWorker, self._trainer_args,
                                     on_placed=self._pick_master if multi_node else None)
         self.engines = self._start(self.rollout_spec, EngineHost, self._engine_args)
         self._log_placement()
         wait_all([a.ready for a in self.trainers + self.engines if hasattr(a, "ready")])
-        wait_all([a.call("ping") for a in self.trainers] + [e.call("pid") for e in self.engines])
-        self.plan = self.trainers[0].call("sync_plan").result()
+        self.trainer, self.rollout = TrainerGroup(self.trainers), RolloutGroup(self.engines)
+        wait_all(self.trainer.ping_async()
+                 + [self.rollout.pid_async(i) for i in range(len(self.engines))])
+        self.plan = self.trainer.sync_plan()
         self._connect_sync()
         log.info("runtime ready in %.1fs: %d trainer ranks, %d engines (%s)", time.perf_counter() - t0,
                  len(self.trainers), len(self.engines), self.placement.backend)
@@ -182,8 +155,7 @@ class Runtime:
         info = RankInfo(rank=i, world_size=self.cfg.trainer.num_ranks,
                         master_addr=self._master[0], master_port=self._master[1])
         return ((self.cfg.trainer, self.cfg.algorithm, self.cfg.sync, self.model_dir,
-                 self.cfg.model.dtype, info, self.cfg.seed, self.total_optimizer_steps),
-                {"memory": self.cfg.plan})
+                 self.cfg.model.dtype, info, self.cfg.seed, self.total_optimizer_steps), {})
 
     def _engine_args(self, i: int):
         dtype = "float32" if self.placement.engine_device == "cpu" else "bfloat16"
@@ -221,73 +193,21 @@ class Runtime:
     def _connect_sync(self) -> None:
         """(Re)build the weight group: trainer rank 0 is rank 0; the engines follow, each taking
         as many ranks as it has workers (tensor parallel engines receive on every worker)."""
-        host, port = self.trainers[0].call("sync_address").result()
-        sizes = wait_all([e.call("num_sync_ranks") for e in self.engines])
+        host, port = self.trainer.sync_address()
+        sizes = self.rollout.num_sync_ranks()
         world = 1 + sum(sizes)
         backend = resolve_backend(self.cfg.sync.backend, self.placement.engine_device)
-        futures = [self.trainers[0].call("init_weight_sync", host, port, world)]
-        first = 1
-        for e, size in zip(self.engines, sizes):
-            futures.append(e.call("init_weight_sync", host, port, world, first, backend,
-                                  self.cfg.sync.timeout_s))
-            first += size
+        futures = [self.trainer.init_weight_sync_async(host, port, world)]
+        futures += self.rollout.init_weight_sync_async(host, port, world, sizes, backend,
+                                                       self.cfg.sync.timeout_s)
         wait_for_sync(futures, self.cfg.sync.timeout_s + 30)
 
-    # ---- the driver's verbs ----------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
-                 ) -> list[list[Sample]]:
-        return self.generate_async(prompt_ids, sampling, seed).result()
-
-    def generate_async(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
-                       ) -> Generation:
-        """Starts generating and returns at once (the engines work while the driver trains).
-
-        Prompts are split evenly over engines (in order); engine i samples with seed + i. An
-        engine serves its calls in order, so a weight update sent later waits for this call.
-        """
-        m = len(self.engines)
-        chunks = [prompt_ids[i::m] for i in range(m)]
-        futures = []
-        for i, (engine, chunk) in enumerate(zip(self.engines, chunks)):
-            if chunk:
-                sp = dataclasses.replace(sampling, seed=seed + i)
-                futures.append((i, engine.call("generate", chunk, sp)))
-        return Generation(futures, len(prompt_ids), m)
-
-    def engine_busy_seconds(self) -> float:
-        """Mean over engines of the seconds each spent working (generate, score, receive)."""
-        busy = wait_all([e.call("busy_seconds") for e in self.engines])
-        return sum(busy) / len(busy)
-
-    def train(self, batch: dict, step: int) -> tuple[dict, list[list[float]]]:
-        """Returns (statistics, the trainer's old log-probs of every sample in batch order)."""
-        results = wait_all([t.call("train_step", batch, step) for t in self.trainers])
-        old: dict[int, list[float]] = {}
-        for r in results:
-            old.update(r.pop("old_logprobs"))
-        n = len(batch["prompt_ids"])
-        return results[0], [old.get(i, []) for i in range(n)]
-
+    # ---- the weight update ----------------------------------------------------------------
     def sync(self, version: int) -> dict:
         """Broadcast the trainer's weights to every engine; returns trainer-side stats."""
-        futures = [t.call("send_weights", version) for t in self.trainers]
-        futures += [e.call("receive_weights", self.plan, version) for e in self.engines]
+        futures = self.trainer.send_weights_async(version)
+        futures += self.rollout.receive_weights_async(self.plan, version)
         return wait_for_sync(futures, self.cfg.sync.timeout_s + 60)[0]
-
-    def score_trainer(self, prompt_ids, response_ids) -> list[list[float]]:
-        return wait_all([t.call("score", prompt_ids, response_ids) for t in self.trainers])[0]
-
-    def score_engines(self, prompt_ids, response_ids) -> list[list[list[float]]]:
-        return wait_all([e.call("score", prompt_ids, response_ids) for e in self.engines])
-
-    def engine_versions(self) -> list[int]:
-        return wait_all([e.call("weight_version") for e in self.engines])
-
-    def save(self, path: str, tag: str, client_state: dict) -> None:
-        wait_all([t.call("save", path, tag, client_state) for t in self.trainers])
-
-    def load(self, path: str, tag: str) -> dict:
-        return wait_all([t.call("load", path, tag) for t in self.trainers])[0]
 
     # ---- faults ----------------------------------------------------------------------------
     def _replace_engine(self, i: int):
@@ -307,9 +227,9 @@ class Runtime:
     def restart_dead_engines(self, version: int) -> int:
         """Replace engines that no longer answer, rebuild the sync group, re-send `version`."""
         dead = []
-        for i, e in enumerate(self.engines):
+        for i in range(len(self.engines)):
             try:
-                e.call("pid").result(timeout=30)
+                self.rollout.pid_async(i).result(timeout=30)
             except Exception:  # noqa: BLE001 - any failure to answer means replace it
                 dead.append(i)
         if not dead:
@@ -318,7 +238,7 @@ class Runtime:
         for i in dead:
             self.engines[i].kill()
             self.engines[i] = self._replace_engine(i)
-        self.trainers[0].call("close_weight_sync").result()
+        self.trainer.close_weight_sync()
         self._connect_sync()
         self.sync(version)
         self.restarts += len(dead)

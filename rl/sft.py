@@ -21,7 +21,7 @@ import torch
 
 from rl.config import Config, to_dict
 from rl.console import say
-from rl.data.datasets import build_datasets, format_prompt
+from rl.data.datasets import build_datasets, encode_prompt
 from rl.models.loading import DEFAULT_CACHE_ROOT, load_model, load_tokenizer, resolve_model_dir
 from rl.models.presets import save_model
 
@@ -76,9 +76,8 @@ def _cached_accuracy(out: Path) -> str:
 def _encode(tok, cfg: Config, examples) -> list[tuple[list[int], list[int]]]:
     out = []
     for ex in examples:
-        prompt = tok(format_prompt(ex, tok, cfg.data), add_special_tokens=False)["input_ids"]
         answer = tok(ex.answer, add_special_tokens=False)["input_ids"]
-        out.append(([tok.bos_token_id] + prompt, answer + [tok.eos_token_id]))
+        out.append((encode_prompt(ex, tok, cfg.data), answer + [tok.eos_token_id]))
     return out
 
 

@@ -9,7 +9,8 @@ One life of the allocation:
  4. a stop signal makes the loop finish its step, checkpoint and raise `Requeue`. Then, while
     SLURM_RESTART_COUNT < cluster.max_requeues, `scontrol requeue` puts the same job id back in
     the queue and this process exits without a result (so submitit and `launch.submit --wait`
-    keep waiting for the restart); past the limit the job ends with `RequeueLimit`;
+    keep waiting for the restart); past the limit the job ends with the outcome
+    `requeue_limit` (`launch.job.exit_status` turns it into EXIT_REQUEUE);
  5. Ray is stopped in every case.
 
 SIGTERM (`scontrol requeue` from outside, preemption after its grace time, `scancel`) reaches every
@@ -23,7 +24,6 @@ Every transition is an event in RUN_DIR/lifecycle.jsonl (`launch.status` reads i
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import signal
 import subprocess
@@ -32,6 +32,7 @@ import typing as tp
 from launch.job import Requeue, lifecycle, run_job
 from rl.config import Config
 from rl.signals import EXIT_REQUEUE, StopRequest
+from slurm import env as slurm_env
 from slurm.ray_cluster import RayCluster, RayClusterError, start_ray, stop_ray
 
 log = logging.getLogger(__name__)
@@ -41,22 +42,18 @@ class RequeueLimit(RuntimeError):
     """Stopped with a checkpoint, but the job was already requeued `cluster.max_requeues` times."""
 
 
-def restart_count() -> int:
-    """How often Slurm has restarted this job (SLURM_RESTART_COUNT; 0 on the first run)."""
-    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-
-
 def slurm_main(cfg: Config, resume: bool = True, force: bool = False) -> dict:
-    """Runs the RL job inside the allocation; returns `run_job`'s summary dict when it finishes.
+    """Runs the RL job inside the allocation; returns `run_job`'s summary dict when it finishes,
+    or the outcome {"status": "requeue_limit", "message"} when it stopped with a checkpoint but
+    may not requeue again.
 
     Raises:
         SystemExit(EXIT_REQUEUE) after requeueing the job, or when a signal interrupted the run
             (no result is pickled: the job comes back).
-        RequeueLimit when stopped with a checkpoint but not allowed to requeue again.
     """
     stop = StopRequest().install()
-    job_id = os.environ.get("SLURM_JOB_ID", "?")
-    restarts = restart_count()
+    job_id = slurm_env.job_id() or "?"
+    restarts = slurm_env.restart_count()
     print(f"Slurm job {job_id}, restart {restarts}, driver on {socket.gethostname()}; "
           f"run directory {cfg.run_dir.resolve()}", flush=True)
     cluster = None
@@ -67,7 +64,10 @@ def slurm_main(cfg: Config, resume: bool = True, force: bool = False) -> dict:
               + ", ".join(f"{n.name}={n.ip} ({n.resource})" for n in cluster.nodes), flush=True)
         return run_job(cfg, resume, force, stop=stop)
     except Requeue as e:
-        _check_requeue_limit(cfg, stop, job_id, restarts, str(e))
+        try:
+            _check_requeue_limit(cfg, stop, job_id, restarts, str(e))
+        except RequeueLimit as limit:  # an outcome for the launcher (`launch.job.exit_status`)
+            return {"status": "requeue_limit", "message": str(limit), "run_dir": str(cfg.run_dir)}
         # The event goes first: a preemption's SIGTERM (after GraceTime) may cut what follows.
         lifecycle(cfg, "requeued", reason=stop.signal_name, restart_count=restarts, job_id=job_id)
         stop_ray(cluster)  # before `scontrol requeue`, whose SIGTERM would kill Ray half-way

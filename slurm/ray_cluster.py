@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl.cluster.groups import ROLLOUT_NODE, TRAINER_NODE
+from slurm.env import slurm_env
 
 TRAINER_RESOURCE = TRAINER_NODE  # the labels rl.cluster.groups places actors by
 ROLLOUT_RESOURCE = ROLLOUT_NODE
@@ -86,12 +87,12 @@ class RayCluster:
 
 def het_group_nodes() -> list[list[str]]:
     """Node names per het group (a plain job is one group), from the Slurm environment."""
-    size = int(os.environ.get("SLURM_HET_SIZE", "1"))
+    size = int(slurm_env("het_size") or 1)
     groups = []
     for k in range(size):
-        nodelist = os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{k}")
+        nodelist = slurm_env("nodelist_het", k)
         if nodelist is None and size == 1:
-            nodelist = os.environ.get("SLURM_JOB_NODELIST")
+            nodelist = slurm_env("nodelist")
         if not nodelist:
             raise RayClusterError(f"SLURM_JOB_NODELIST_HET_GROUP_{k} is not set: not inside a "
                                   "Slurm allocation?")
@@ -114,10 +115,7 @@ def node_address(name: str) -> str:
 
 
 def _group_cpus(k: int) -> int:
-    for var in (f"SLURM_CPUS_PER_TASK_HET_GROUP_{k}", "SLURM_CPUS_PER_TASK"):
-        if os.environ.get(var):
-            return int(os.environ[var])
-    return 1
+    return int(slurm_env("cpus_per_task_het", k) or slurm_env("cpus_per_task") or 1)
 
 
 def plan_nodes(groups: list[list[str]], job_id: int, cpus_per_group: list[int] | None = None,
@@ -257,7 +255,9 @@ def start_ray(run_dir: str | Path, *, timeout_s: float = 120.0,
     import ray
 
     run_dir = Path(run_dir).absolute()
-    job_id = int(os.environ["SLURM_JOB_ID"])
+    if slurm_env("job_id") is None:
+        raise RayClusterError("SLURM_JOB_ID is not set: not inside a Slurm allocation?")
+    job_id = int(slurm_env("job_id"))
     nodes = plan_nodes(het_group_nodes(), job_id, cpus_per_group, port_base)
     head = nodes[0]
     token_path = write_token(run_dir)

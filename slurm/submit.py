@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 from rl.config import Config
-from rl.signals import EXIT_REQUEUE
 from slurm.executor import HetJob, HetJobExecutor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,13 +87,8 @@ def wait_for(job: HetJob) -> int:
         print(f"\nstopped waiting; job {job.job_id} keeps running", flush=True)
         return 0
     try:
-        result = job.result()
-    except Exception as e:  # noqa: BLE001 - submitit wraps the job's exception in its own
-        text = str(e)
-        if "RequeueLimit" in text:
-            line = next((ln for ln in text.splitlines() if "RequeueLimit:" in ln), text)
-            print(line.split("RequeueLimit:", 1)[-1].strip(), file=sys.stderr, flush=True)
-            return EXIT_REQUEUE
+        result = job.result()  # the requeue limit is an outcome (`exit_status`), not an error
+    except Exception:  # noqa: BLE001 - submitit wraps the job's exception in its own
         print(f"job {job.job_id} failed ({job.state}); full log: {job.paths.stderr}",
               file=sys.stderr, flush=True)
         return 1

@@ -73,6 +73,12 @@ def prompt_ids(example: Example, tokenizer: Any, cfg: DataConfig) -> list[int]:
     return ids if tokenizer.bos_token_id is None else [tokenizer.bos_token_id] + ids
 
 
+def encode_prompt(example: Example, tokenizer: Any, cfg: DataConfig) -> list[int]:
+    """The prompt as the policy is trained on it, by RL and by the SFT warm start alike:
+    `prompt_ids` cut to its last `cfg.max_prompt_tokens` tokens."""
+    return prompt_ids(example, tokenizer, cfg)[-cfg.max_prompt_tokens:]
+
+
 def format_prompt(example: Example, tokenizer: Any, cfg: DataConfig) -> str:
     """The text the policy sees: `example.prompt` as is, or (chat_template: true) wrapped in the
     tokenizer's chat template with the optional system prompt and the generation prompt appended.

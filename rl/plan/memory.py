@@ -102,17 +102,17 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
     n, stage, P = t.num_ranks, t.zero_stage, arch.total_params
     on_gpu = cl.gpus_per_node > 0
     local = cfg.cluster.kind == "local"
-    nodes = 1 if local else cl.nodes   # a local run puts every rank on this machine
+    nodes = cfg.cluster.num_nodes("trainer")  # a local run puts every rank on this machine
     per_node = cl.gpus_per_node if on_gpu else math.ceil(n / nodes)
     bf16 = cfg.model.dtype == "bfloat16"
     w = 2 if bf16 else 4                      # parameter / gradient bytes
-    opt_dev, par_dev = p.optimizer_offload, p.param_offload
+    opt_dev, par_dev = t.optimizer_offload, t.param_offload
     problems: list[str] = []
     if opt_dev != "none" and stage == 0:
-        problems.append("plan.optimizer_offload needs trainer.zero_stage >= 1 (DeepSpeed offloads "
-                        "ZeRO partitions)")
+        problems.append("trainer.optimizer_offload needs trainer.zero_stage >= 1 (DeepSpeed "
+                        "offloads ZeRO partitions)")
     if par_dev != "none" and stage != 3:
-        problems.append("plan.param_offload needs trainer.zero_stage: 3")
+        problems.append("trainer.param_offload needs trainer.zero_stage: 3")
     if on_gpu and not local and n != cl.nodes * cl.gpus_per_node:
         problems.append(f"trainer.num_ranks is {n} but cluster.trainer has {cl.nodes} x "
                         f"{cl.gpus_per_node} = {cl.nodes * cl.gpus_per_node} GPUs")
@@ -166,11 +166,11 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
 
     seq = sequence_length(cfg)
     tokens = max(t.micro_batch_tokens, seq)
-    eager = p.attention_kernel == "eager" or (p.attention_kernel == "auto"
+    eager = t.attention_kernel == "eager" or (t.attention_kernel == "auto"
                                               and arch.model_type == "deepseek_v4")
-    act = activations.estimate(arch, tokens, seq, p.activation_checkpointing, eager,
+    act = activations.estimate(arch, tokens, seq, t.activation_checkpointing, eager,
                                cfg.algorithm.entropy_coef > 0, elem_bytes=w)
-    ckpt = "checkpointed" if p.activation_checkpointing else "no checkpointing"
+    ckpt = "checkpointed" if t.activation_checkpointing else "no checkpointing"
     lines.append(place(f"activations: decoder layers ({ckpt})", act.layers, "gpu", "train"))
     lines.append(place("activations: logits + log-prob fp32 chunks", act.logits, "gpu", "train"))
     if eager:
@@ -188,15 +188,15 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
         + ("" if on_gpu else " (CPU: no GPU budget; host memory holds everything)"),
         f"DeepSpeed ZeRO-{stage}, {'bf16 mixed precision' if bf16 else 'fp32'} + AdamW, "
         f"optimizer offload: {opt_dev}, param offload: {par_dev}, activation checkpointing: "
-        f"{'on' if p.activation_checkpointing else 'off'}",
+        f"{'on' if t.activation_checkpointing else 'off'}",
         f"micro-batch: {tokens:,} tokens (sequences up to {seq:,} = min(max_model_len, "
         f"{cfg.data.max_prompt_tokens:,} prompt + {cfg.rollout.max_new_tokens:,} new))",
     ]
     notes = []
     if eager:
         notes.append(f"attention: eager (transformers' {arch.model_type} has no fused kernel); "
-                     "set plan.attention_kernel: fused only if the trainer runs one")
-    elif p.attention_kernel == "fused" and arch.model_type == "deepseek_v4":
+                     "set trainer.attention_kernel: fused only if the trainer runs one")
+    elif t.attention_kernel == "fused" and arch.model_type == "deepseek_v4":
         notes.append("ASSUMPTION: a fused (O(S) memory) DeepSeek-V4 attention kernel in the "
                      "trainer; transformers' V4 is eager-only")
     if not on_gpu:  # CPU run: everything sits in host memory of the one machine

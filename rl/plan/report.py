@@ -109,31 +109,32 @@ def _shorter_sequences(cfg: Config, arch: Arch, plan: Callable[[Config, Arch], G
 def trainer_suggestions(cfg: Config, arch: Arch, g: GroupPlan) -> list[str]:
     if g.fits:
         return []
-    t, p = cfg.trainer, cfg.plan
+    t = cfg.trainer
     steps: list[dict[str, Any]] = []
     if t.zero_stage < 3:
         steps.append({"trainer.zero_stage": 3})
-    if not p.activation_checkpointing:
-        steps.append({"plan.activation_checkpointing": True})
+    if not t.activation_checkpointing:
+        steps.append({"trainer.activation_checkpointing": True})
     if t.micro_batch_tokens > sequence_length(cfg):
         steps.append({"trainer.micro_batch_tokens": sequence_length(cfg)})
-    if p.optimizer_offload == "none":
-        steps.append({"plan.optimizer_offload": "cpu"})
-    if p.param_offload == "none":
-        steps.append({"plan.param_offload": "cpu"})
+    if t.optimizer_offload == "none":
+        steps.append({"trainer.optimizer_offload": "cpu"})
+    if t.param_offload == "none":
+        steps.append({"trainer.param_offload": "cpu"})
     out = _ladder(cfg, arch, plan_trainer, steps)
     last = with_changes(cfg, {k: v for s in steps for k, v in s.items()}) if steps else cfg
     final = plan_trainer(last, arch)
     host_over = final.host_budget is not None and final.need("host") > final.host_budget
-    if not final.fits and last.plan.optimizer_offload == "cpu" and host_over:
-        nvme = plan_trainer(with_changes(last, {"plan.optimizer_offload": "nvme"}), arch)
+    if not final.fits and last.trainer.optimizer_offload == "cpu" and host_over:
+        nvme = plan_trainer(with_changes(last, {"trainer.optimizer_offload": "nvme"}), arch)
         hint = "" if cfg.plan.nvme_gb else f" (needs plan.nvme_gb >= {nvme.need('nvme') / GiB:,.0f})"
-        out.append(f"  or instead of host RAM: plan.optimizer_offload=nvme{hint}  ->  "
+        out.append(f"  or instead of host RAM: trainer.optimizer_offload=nvme{hint}  ->  "
                    f"{_summary(nvme)}")
     if any(ln.label.startswith("activations: eager") for ln in g.lines):
-        fused = plan_trainer(with_changes(cfg, {"plan.attention_kernel": "fused"}), arch)
+        fused = plan_trainer(with_changes(cfg, {"trainer.attention_kernel": "fused"}), arch)
         out.append(f"  the eager attention scores alone need {size(line_gpu(g, 'activations: eager'))}; "
-                   "a fused attention kernel in the trainer (then plan.attention_kernel=fused)  ->  "
+                   "a fused attention kernel in the trainer (then trainer.attention_kernel=fused)"
+                   "  ->  "
                    f"{_summary(fused)}")
     extras = (_shorter_sequences(cfg, arch, plan_trainer), _more_nodes(cfg, arch, "trainer"))
     out += [e for e in extras if e]

@@ -55,6 +55,13 @@ class RewardComputer:
         self.errors: list[str] = []
         """The first MAX_ERRORS_KEPT failure messages."""
 
+    def state_dict(self) -> dict:
+        """The failure count, carried across resumes (`reward/failures` counts the whole run)."""
+        return {"reward_failures_before": self.failures}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.failures = state["reward_failures_before"]
+
     def _correctness(self, i: int, response: str, example: Example) -> float | None:
         try:
             value = self.fn(response, example.answer, example.meta)

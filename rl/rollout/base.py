@@ -20,10 +20,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Iterable, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from rl.config import RolloutConfig
 
 FinishReason = Literal["stop", "length"]
 
@@ -43,6 +46,12 @@ class SamplingParams:
     """Seed of this call; per-prompt streams derive from it (see the module docstring)."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra tokens that end a response (included in it); the model's EOS ids always stop."""
+
+    @classmethod
+    def from_rollout(cls, cfg: RolloutConfig, seed: int = 0) -> SamplingParams:
+        """The rollouts' sampling, as `rollout.` configures it (n = n_samples)."""
+        return cls(n=cfg.n_samples, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                   max_new_tokens=cfg.max_new_tokens, seed=seed)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

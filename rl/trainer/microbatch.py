@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rl.trainer.batch import TrainBatch
+
 PAD_ID = 0
 
 
@@ -67,19 +69,20 @@ def split_by_budget(indices: list[int], lengths: list[int], budget: int) -> list
     return groups
 
 
-def micro_batches(batch: dict, mine: list[int], budget: int, world_size: int, n: int) -> list[Micro]:
+def micro_batches(batch: TrainBatch, mine: list[int], budget: int, world_size: int
+                  ) -> list[Micro]:
     """This rank's micro-batches, padded with zero-weight copies up to the max over all ranks."""
-    lengths = [len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"])]
+    n, lengths = len(batch), batch.lengths()
     counts = [len(split_by_budget(list(range(r, n, world_size)), lengths, budget))
               for r in range(world_size)]
     out = []
     for group in split_by_budget(mine, lengths, budget):
-        out.append(pad_batch([batch["prompt_ids"][i] for i in group],
-                             [batch["response_ids"][i] for i in group],
-                             [batch["rollout_logprobs"][i] for i in group], index=group))
+        out.append(pad_batch([batch.prompt_ids[i] for i in group],
+                             [batch.response_ids[i] for i in group],
+                             [batch.rollout_logprobs[i] for i in group], index=group))
     if not out:  # fewer samples than ranks: still take part in the collectives
-        out.append(pad_batch([batch["prompt_ids"][0]], [batch["response_ids"][0]],
-                             [batch["rollout_logprobs"][0]], index=[0]))
+        out.append(pad_batch([batch.prompt_ids[0]], [batch.response_ids[0]],
+                             [batch.rollout_logprobs[0]], index=[0]))
         out[0].weight = 0.0
     while len(out) < max(counts):
         filler = out[0]

@@ -25,6 +25,7 @@ import torch
 
 from rl.config import AlgorithmConfig, SyncConfig, TrainerConfig
 from rl.trainer import losses
+from rl.trainer.batch import TrainBatch
 from rl.trainer.microbatch import Micro, micro_batches, pad_batch
 from rl.trainer.weights import WeightSender
 
@@ -58,20 +59,21 @@ def _lr_lambda(cfg: TrainerConfig, total_steps: int):
     return fn
 
 
-def ds_config(cfg: TrainerConfig, bf16: bool, memory=None) -> dict:
-    """DeepSpeed config. `memory` (the run's `PlanConfig`) carries the memory-saving settings the
-    planner checks: optimizer/parameter offload and where it goes."""
+def ds_config(cfg: TrainerConfig, bf16: bool) -> dict:
+    """DeepSpeed config, with the memory settings the planner checks (optimizer/parameter offload
+    and where it goes)."""
     zero: dict = {
         "stage": cfg.zero_stage,
         "overlap_comm": False,
         "contiguous_gradients": True,
         "stage3_param_persistence_threshold": 0,
     }
-    if memory is not None and memory.optimizer_offload != "none":
+    if cfg.optimizer_offload != "none":
         zero["offload_optimizer"] = ({"device": "cpu", "pin_memory": True}
-                                     if memory.optimizer_offload == "cpu" else
-                                     {"device": "nvme", "nvme_path": memory.nvme_path, "pin_memory": True})
-    if memory is not None and memory.param_offload != "none":
+                                     if cfg.optimizer_offload == "cpu" else
+                                     {"device": "nvme", "nvme_path": cfg.nvme_path,
+                                      "pin_memory": True})
+    if cfg.param_offload != "none":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {
         "train_micro_batch_size_per_gpu": 1,
@@ -92,11 +94,10 @@ def ds_config(cfg: TrainerConfig, bf16: bool, memory=None) -> dict:
 
 class TrainerWorker:
     def __init__(self, cfg: TrainerConfig, algo: AlgorithmConfig, sync: SyncConfig, model_dir: str,
-                 dtype: str, rank_info: RankInfo, seed: int, total_optimizer_steps: int,
-                 memory=None):
+                 dtype: str, rank_info: RankInfo, seed: int, total_optimizer_steps: int):
         from rl.signals import shield_worker
         shield_worker()
-        self.cfg, self.algo, self.sync_cfg, self.memory = cfg, algo, sync, memory
+        self.cfg, self.algo, self.sync_cfg = cfg, algo, sync
         self.rank, self.world_size = rank_info.rank, rank_info.world_size
         torch.set_num_threads(cfg.torch_threads)
         self.device = self._pick_device()
@@ -136,7 +137,7 @@ class TrainerWorker:
         if not dist.is_initialized():
             dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
         bf16 = self.dtype == torch.bfloat16
-        config = ds_config(self.cfg, bf16, self.memory)
+        config = ds_config(self.cfg, bf16)
         # The frozen reference is loaded before ZeRO-3's load-time partitioning is switched on: it
         # is not wrapped by DeepSpeed, so it must hold full tensors.
         ref = None
@@ -151,7 +152,7 @@ class TrainerWorker:
             self._hf_ds = HfDeepSpeedConfig(config)
         model = self._load(model_dir, torch.device("cpu"))
         model.config.use_cache = False
-        if self.memory is not None and self.memory.activation_checkpointing:
+        if self.cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
@@ -194,15 +195,14 @@ class TrainerWorker:
         return [logp[i, batch.resp_mask[i, 1:].bool()].tolist() for i in range(len(prompt_ids))]
 
     # ---- training ------------------------------------------------------------------------
-    def train_step(self, batch: dict, step: int) -> dict:
+    def train_step(self, batch: TrainBatch, step: int) -> dict:
         """PPO epochs x mini-batches over this rank's shard. Returns rank-averaged statistics."""
         import torch.distributed as dist
 
         t0 = time.perf_counter()
-        n = len(batch["prompt_ids"])
-        mine = list(range(self.rank, n, self.world_size))
-        advantages = torch.tensor(batch["advantages"], dtype=torch.float32)
-        mbs = micro_batches(batch, mine, self.cfg.micro_batch_tokens, self.world_size, n)
+        mine = list(range(self.rank, len(batch), self.world_size))
+        advantages = torch.tensor(batch.advantages, dtype=torch.float32)
+        mbs = micro_batches(batch, mine, self.cfg.micro_batch_tokens, self.world_size)
         # Old (behaviour-at-train-time) and reference log-probs, once, before any update.
         old_logp, ref_logp = {}, {}
         self.engine.module.eval()

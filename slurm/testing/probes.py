@@ -99,11 +99,12 @@ def stop_every_life_probe(cfg) -> dict:
     what `launch.submit --wait` follows, without minutes of Ray and vLLM start-up per life."""
     from types import SimpleNamespace
 
+    import slurm.env
     import slurm.job
     from launch.job import Requeue
 
     def run_job(cfg, resume, force, stop):
-        life = slurm.job.restart_count()
+        life = slurm.env.restart_count()
         print(f"life {life} on {socket.gethostname()}", flush=True)
         stop.request("SIGUSR2")
         raise Requeue(f"stopped on SIGUSR2 at step {life + 1}")

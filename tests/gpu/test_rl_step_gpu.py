@@ -18,6 +18,7 @@ def test_train_on_gpu0_sync_generate_on_gpu1(tmp_path, report):
     from rl.models.loading import resolve_model_dir
     from rl.rollout.base import SamplingParams
     from rl.runtime import Placement, Runtime
+    from rl.trainer.batch import TrainBatch
 
     cfg = Config(model=ModelConfig(preset="tiny-qwen3-moe", dtype="bfloat16"),
                  rollout=RolloutConfig(engine="native", quantization="fp8", max_model_len=128,
@@ -32,7 +33,7 @@ def test_train_on_gpu0_sync_generate_on_gpu1(tmp_path, report):
     try:
         prompts = [[1, 10 + i, 20 + i, 30] for i in range(8)]
         sp = SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=0)
-        samples = [s for g in rt.generate(prompts, sp, seed=0) for s in g]
+        samples = [s for g in rt.rollout.generate(prompts, sp, seed=0) for s in g]
         assert all(s.weight_version == 0 and s.response_ids for s in samples)
         rewards = [sum(t % 2 for t in s.response_ids) / len(s.response_ids) for s in samples]
         adv = []
@@ -40,18 +41,16 @@ def test_train_on_gpu0_sync_generate_on_gpu1(tmp_path, report):
             grp = rewards[i:i + 4]
             mean = sum(grp) / 4
             adv += [r - mean for r in grp]
-        batch = dict(prompt_ids=[s.prompt_ids for s in samples],
-                     response_ids=[s.response_ids for s in samples],
-                     rollout_logprobs=[s.logprobs for s in samples], advantages=adv)
-        P, R = batch["prompt_ids"], batch["response_ids"]
-        trainer_before = rt.score_trainer(P, R)
-        stats, _ = rt.train(batch, 0)
+        batch = TrainBatch.from_samples(samples, adv)
+        P, R = batch.prompt_ids, batch.response_ids
+        trainer_before = rt.trainer.score(P, R)
+        stats, _ = rt.trainer.train(batch, 0)
         assert all(math.isfinite(v) for v in stats.values()), stats
-        engine_before = rt.score_engines(P, R)[0]
+        engine_before = rt.rollout.score(P, R)[0]
         sync = rt.sync(1)
-        assert rt.engine_versions() == [1]
-        engine_after = rt.score_engines(P, R)[0]
-        trainer_after = rt.score_trainer(P, R)
+        assert rt.rollout.versions() == [1]
+        engine_after = rt.rollout.score(P, R)[0]
+        trainer_after = rt.trainer.score(P, R)
 
         def gap(a, b):
             vals = [abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v)]
@@ -64,7 +63,7 @@ def test_train_on_gpu0_sync_generate_on_gpu1(tmp_path, report):
         assert gap(trainer_before, trainer_after) > 0.01     # the step changed the policy
         assert gap(engine_after, trainer_after) < gap(engine_before, trainer_after)
         assert gap(engine_after, trainer_after) < 0.1        # bf16 trainer vs FP8 engine
-        again = [s for g in rt.generate(prompts, sp, seed=1) for s in g]
+        again = [s for g in rt.rollout.generate(prompts, sp, seed=1) for s in g]
         assert all(s.weight_version == 1 for s in again)
     finally:
         rt.shutdown()

@@ -1,8 +1,8 @@
-"""The console line of one step (`rl.run_state.format_step`): what differs, nothing twice."""
+"""The console line of one step (`rl.recorder.format_step`): what differs, nothing twice."""
 from pathlib import Path
 
 from rl.config import load_config
-from rl.run_state import format_step
+from rl.recorder import format_step
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS = {"reward/mean": 0.4375, "rollout/accuracy": 0.4375, "reward/format": 0.8125,

@@ -47,16 +47,47 @@ def _sample(finish: str, n_tokens: int) -> Sample:
                   logprobs=[-0.5] * n_tokens, finish_reason=finish, weight_version=0)
 
 
+class _Source:
+    """The pipeline's prompt source: 10 prompts, the real seeded sampler."""
+
+    def __init__(self):
+        self.sampler, self.tokenizer = PromptSampler(10, 0), None
+
+    def draw(self, k):
+        return self.sampler.next_indices(k)
+
+    def prompts(self, indices):
+        return [[1, i] for i in indices]
+
+    def state_dict(self):
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state):
+        self.sampler.load_state_dict(state)
+
+
+class _Generator:
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def start(self, prompts, sampling, seed):
+        return self.runtime.generate_async(prompts, sampling, seed)
+
+    def finish(self, gen, prompts, sampling, seed):
+        return gen.result(), gen.seconds
+
+    def abandon(self):
+        self.runtime.abandoned = True
+
+
 def _pipeline(runtime, *overrides, grace: float = 1.0):
     cfg = load_config("configs/local.yaml", ["algorithm.prompts_per_step=2", "rollout.n_samples=2",
                                              f"checkpoint.grace_period_s={grace}", *overrides])
-    ctx = SimpleNamespace(cfg=cfg, runtime=runtime, sampler=PromptSampler(10, 0),
-                          train_prompt_ids=[[1, i] for i in range(10)], tokenizer=None,
-                          ckpt=SimpleNamespace(last_seconds=None),
-                          collect=lambda gen, prompts, sampling, seed: (gen.result(), gen.seconds))
+    source = _Source()
+    ctx = SimpleNamespace(runtime=runtime, sampler=source.sampler)
     sampling = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=8, seed=0)
     stop = StopRequest()
-    return RolloutPipeline(ctx, sampling, [], stop), ctx, stop
+    return RolloutPipeline(cfg, source, _Generator(runtime), sampling, stop), ctx, stop
 
 
 def _stop_soon(stop: StopRequest, after_s: float = 0.05) -> None:

@@ -42,10 +42,10 @@ def test_planning_imports_neither_torch_nor_transformers():
 
 
 def test_plan_that_does_not_fit_exits_1_with_suggestions():
-    proc, _ = run(V4, "plan.optimizer_offload=cpu")
+    proc, _ = run(V4, "trainer.optimizer_offload=cpu")
     assert proc.returncode == 1
     assert "verdict: DOES NOT FIT - host RAM per node: needs 2.3 TiB" in proc.stdout
-    assert "plan.optimizer_offload=nvme" in proc.stdout and "cluster.trainer.nodes=3" in proc.stdout
+    assert "trainer.optimizer_offload=nvme" in proc.stdout and "cluster.trainer.nodes=3" in proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -76,7 +76,7 @@ def test_model_config_override_is_used(tmp_path, fixtures_dir):
 
 
 def test_submit_refuses_a_config_that_does_not_fit():
-    proc, _ = run(V4, "plan.optimizer_offload=cpu", module="launch.submit")
+    proc, _ = run(V4, "trainer.optimizer_offload=cpu", module="launch.submit")
     assert proc.returncode == 2
     assert "Verdict: DOES NOT FIT: trainer" in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (

@@ -59,6 +59,6 @@ def test_v4_config_is_honest_about_what_does_not_fit():
     cfg = load_config(ROOT / CONFIGS[0])
     # the ZeRO-3 optimizer state without offload, host-RAM offload on 2 TiB nodes, and
     # transformers' eager V4 attention at 18k tokens: each alone breaks the plan
-    for change in ({"plan.optimizer_offload": "none"}, {"plan.optimizer_offload": "cpu"},
-                   {"plan.attention_kernel": "auto"}):
+    for change in ({"trainer.optimizer_offload": "none"}, {"trainer.optimizer_offload": "cpu"},
+                   {"trainer.attention_kernel": "auto"}):
         assert not check(with_changes(cfg, change)).fits, change

@@ -42,20 +42,20 @@ def test_zero_stage_partitioning(qwen3_8b, stage, params, grads, master):
 
 def test_optimizer_offload_moves_state_to_each_node(qwen3_8b):
     P = qwen3_8b.total_params
-    g = plan_trainer(gpu_cfg("trainer.zero_stage=3", "plan.optimizer_offload=cpu"), qwen3_8b)
+    g = plan_trainer(gpu_cfg("trainer.zero_stage=3", "trainer.optimizer_offload=cpu"), qwen3_8b)
     # 8 ranks per node, each with 1/8: master 4 + moments 8 + fp32 grads 4 + bf16 grads 2 = 18 B
     assert g.need("host") == pytest.approx(18 * P)
     assert line(g, "fp32 master").gpu == 0 and line(g, "AdamW").gpu == 0
-    nvme = plan_trainer(gpu_cfg("trainer.zero_stage=3", "plan.optimizer_offload=nvme",
+    nvme = plan_trainer(gpu_cfg("trainer.zero_stage=3", "trainer.optimizer_offload=nvme",
                                 "plan.nvme_gb=100000"), qwen3_8b)
     assert nvme.need("nvme") == pytest.approx(16 * P)
     assert nvme.need("host") < g.need("host") and nvme.need("gpu") == pytest.approx(g.need("gpu"))
 
 
 def test_invalid_combinations_do_not_fit(qwen3_8b):
-    g = plan_trainer(gpu_cfg("trainer.zero_stage=0", "plan.optimizer_offload=cpu"), qwen3_8b)
+    g = plan_trainer(gpu_cfg("trainer.zero_stage=0", "trainer.optimizer_offload=cpu"), qwen3_8b)
     assert not g.fits and "needs trainer.zero_stage >= 1" in g.problems[0]
-    g = plan_trainer(gpu_cfg("trainer.zero_stage=2", "plan.param_offload=cpu"), qwen3_8b)
+    g = plan_trainer(gpu_cfg("trainer.zero_stage=2", "trainer.param_offload=cpu"), qwen3_8b)
     assert not g.fits and "zero_stage: 3" in g.problems[0]
     g = plan_trainer(gpu_cfg("trainer.num_ranks=16"), qwen3_8b)
     assert not g.fits and "num_ranks is 16 but cluster.trainer has 1 x 8 = 8" in g.problems[0]
@@ -64,11 +64,11 @@ def test_invalid_combinations_do_not_fit(qwen3_8b):
 def test_activation_checkpointing_and_eager_scores(v4_flash):
     base = ["cluster.trainer.nodes=2", "trainer.num_ranks=16", "trainer.micro_batch_tokens=4096",
             "rollout.max_model_len=4096", "rollout.max_new_tokens=4096"]
-    full = plan_trainer(gpu_cfg(*base, "plan.attention_kernel=fused"), v4_flash)
-    ckpt = plan_trainer(gpu_cfg(*base, "plan.attention_kernel=fused",
-                                "plan.activation_checkpointing=true"), v4_flash)
+    full = plan_trainer(gpu_cfg(*base, "trainer.attention_kernel=fused"), v4_flash)
+    ckpt = plan_trainer(gpu_cfg(*base, "trainer.attention_kernel=fused",
+                                "trainer.activation_checkpointing=true"), v4_flash)
     assert line(ckpt, "activations: decoder").gpu < line(full, "activations: decoder").gpu / 10
-    eager = plan_trainer(gpu_cfg(*base, "plan.activation_checkpointing=true"), v4_flash)
+    eager = plan_trainer(gpu_cfg(*base, "trainer.activation_checkpointing=true"), v4_flash)
     # one layer's scores: 64 heads x 4096 x (4096 + 4096/4) x (2 B kept + 4 B fp32 softmax)
     assert line(eager, "activations: eager").gpu == 64 * 4096 * 5120 * 6
 
@@ -96,8 +96,8 @@ def test_rollout_that_cannot_hold_one_sequence(qwen3_8b):
 
 def test_suggestions_are_replanned_configs(v4_flash):
     cfg = gpu_cfg("cluster.trainer.nodes=2", "trainer.num_ranks=16", "trainer.zero_stage=3",
-                  "plan.attention_kernel=fused", "plan.activation_checkpointing=true",
-                  "plan.optimizer_offload=cpu", "rollout.quantization=fp8",
+                  "trainer.attention_kernel=fused", "trainer.activation_checkpointing=true",
+                  "trainer.optimizer_offload=cpu", "rollout.quantization=fp8",
                   "rollout.tensor_parallel_size=8", "rollout.max_model_len=8192")
     v = build(cfg, v4_flash, "test", [])
     assert not v.fits and not v.trainer.fits and v.rollout.fits
@@ -107,7 +107,7 @@ def test_suggestions_are_replanned_configs(v4_flash):
                         v4_flash)
     assert more.fits
     assert "cluster.trainer.nodes=3 trainer.num_ranks=24" in v.report
-    assert "plan.optimizer_offload=nvme (needs plan.nvme_gb >= " in v.report
+    assert "trainer.optimizer_offload=nvme (needs plan.nvme_gb >= " in v.report
     assert v.report.rstrip().endswith("Verdict: DOES NOT FIT: trainer")
 
 

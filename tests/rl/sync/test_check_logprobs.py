@@ -1,14 +1,17 @@
 """`sync.check_logprobs`: after an update the trainer and every engine score one probe sequence;
-a difference above `sync.check_logprobs_tol` stops the run. `RunContext.check_logprobs` against
+a difference above `sync.check_logprobs_tol` stops the run. `WeightPublisher.check_logprobs` against
 a runtime whose engines answer with chosen offsets from the trainer's log-probs (the real
 scoring is covered by the loop tests, where the check passes)."""
+from types import SimpleNamespace
+
 import pytest
 
 from rl.config import load_config
 from rl.data import Example
 from rl.faults import FaultInjector
 from rl.models.tokenizer import build_char_tokenizer
-from rl.run_state import DriverState, RunContext
+from rl.data.source import PromptSource
+from rl.publisher import WeightPublisher
 
 
 class OffsetRuntime:
@@ -17,6 +20,9 @@ class OffsetRuntime:
 
     def __init__(self, *offsets):
         self.offsets, self.asked = offsets, []
+
+        self.trainer = SimpleNamespace(score=self.score_trainer)
+        self.rollout = SimpleNamespace(score=self.score_engines)
 
     def score_trainer(self, prompt_ids, response_ids):
         self.asked.append((prompt_ids, response_ids))
@@ -28,13 +34,13 @@ class OffsetRuntime:
 
 
 def context(runtime, tol):
-    ctx = RunContext.__new__(RunContext)  # the check needs only these attributes, not a run
-    ctx.cfg = load_config(None, [f"sync.check_logprobs_tol={tol}"])
-    ctx.tokenizer = build_char_tokenizer()
-    ctx.eval_set, ctx.eval_prompt_ids = [Example(prompt="2+3=", answer="5", meta={})], [[7, 8, 9]]
-    ctx.train, ctx.train_prompt_ids = [], []
-    ctx.runtime, ctx.faults, ctx.state = runtime, FaultInjector(""), DriverState()
-    return ctx
+    source = PromptSource.__new__(PromptSource)  # the probe needs only these, not a dataset
+    source.tokenizer = build_char_tokenizer()
+    source.eval_set, source.eval_ids = [Example(prompt="2+3=", answer="5", meta={})], [[7, 8, 9]]
+    source.train, source.train_ids = [], []
+    cfg = load_config(None, [f"sync.check_logprobs_tol={tol}"])
+    publisher = WeightPublisher(cfg, runtime, source.probe(), lambda: 1, FaultInjector(""))
+    return publisher
 
 
 def test_engines_within_tolerance_pass_and_the_worst_difference_is_returned():
@@ -42,7 +48,7 @@ def test_engines_within_tolerance_pass_and_the_worst_difference_is_returned():
     ctx = context(runtime, 1e-3)
     assert ctx.check_logprobs() == pytest.approx(6e-4)
     # The probe: the first eval prompt, its answer's tokens and EOS.
-    tok = ctx.tokenizer
+    tok = build_char_tokenizer()
     assert runtime.asked[0] == ([[7, 8, 9]], [tok("5", add_special_tokens=False)["input_ids"]
                                               + [tok.eos_token_id]])
 

@@ -1,6 +1,6 @@
 """A weight sync that fails part-way is a `SyncError` at the driver on both actor backends (plain
 processes and Ray), whether the sender notices or the driver's own deadline runs out: the one type
-the recovery path (`rl.run_state`) catches. Real processes, real gloo transport."""
+the recovery path (`rl.publisher`) catches. Real processes, real gloo transport."""
 import os
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-from rl.config import PlanConfig, TrainerConfig
+from rl.config import TrainerConfig
 from rl.trainer.worker import ds_config
 
 
@@ -9,10 +9,10 @@ def test_memory_settings_map_onto_deepspeed():
     assert "offload_optimizer" not in base["zero_optimization"]
     # Variable micro-batch counts: the caller owns the accumulation boundary.
     assert base["managed_gradient_accumulation"] is False
-    nvme = ds_config(TrainerConfig(), False, PlanConfig(optimizer_offload="nvme", nvme_path="/nvme/x",
-                                                        param_offload="cpu"))
-    assert nvme["zero_optimization"]["offload_optimizer"] == {"device": "nvme", "nvme_path": "/nvme/x",
-                                                              "pin_memory": True}
+    nvme = ds_config(TrainerConfig(optimizer_offload="nvme", nvme_path="/nvme/x",
+                                   param_offload="cpu"), False)
+    assert nvme["zero_optimization"]["offload_optimizer"] == {
+        "device": "nvme", "nvme_path": "/nvme/x", "pin_memory": True}
     assert nvme["zero_optimization"]["offload_param"]["device"] == "cpu"
-    cpu = ds_config(TrainerConfig(), False, PlanConfig(optimizer_offload="cpu"))
+    cpu = ds_config(TrainerConfig(optimizer_offload="cpu"), False)
     assert cpu["zero_optimization"]["offload_optimizer"]["device"] == "cpu"

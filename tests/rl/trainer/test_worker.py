@@ -10,6 +10,7 @@ from rl.cluster.groups import free_port
 from rl.config import AlgorithmConfig, ModelConfig, SyncConfig, TrainerConfig
 from rl.models.loading import resolve_model_dir
 from rl.sync.transport import make_group, receive_buckets
+from rl.trainer.batch import TrainBatch
 from rl.trainer.worker import RankInfo, TrainerWorker
 
 pytestmark = pytest.mark.slow
@@ -33,16 +34,16 @@ def ranks(tmp_path_factory):
 
 def make_batch(n=10, seed=0):
     rng = random.Random(seed)
-    batch = {"prompt_ids": [[1] + [rng.randrange(3, 100) for _ in range(4)] for _ in range(n)],
-             "response_ids": [[rng.randrange(3, 100) for _ in range(rng.randrange(1, 6))] for _ in range(n)]}
-    batch["rollout_logprobs"] = [[-4.5] * len(r) for r in batch["response_ids"]]
-    batch["advantages"] = [1.0 if i % 2 else -1.0 for i in range(n)]
-    return batch
+    prompts = [[1] + [rng.randrange(3, 100) for _ in range(4)] for _ in range(n)]
+    responses = [[rng.randrange(3, 100) for _ in range(rng.randrange(1, 6))] for _ in range(n)]
+    return TrainBatch(prompt_ids=prompts, response_ids=responses,
+                      rollout_logprobs=[[-4.5] * len(r) for r in responses],
+                      advantages=[1.0 if i % 2 else -1.0 for i in range(n)])
 
 
 def test_train_step_changes_weights_and_ranks_agree(ranks):
     batch = make_batch()
-    before = wait_all([a.call("score", batch["prompt_ids"], batch["response_ids"]) for a in ranks])
+    before = wait_all([a.call("score", batch.prompt_ids, batch.response_ids) for a in ranks])
     assert before[0] == before[1]
     stats = wait_all([a.call("train_step", batch, 1) for a in ranks])
     old = [s.pop("old_logprobs") for s in stats]
@@ -54,7 +55,7 @@ def test_train_step_changes_weights_and_ranks_agree(ranks):
                 "train/tis_ratio_mean", "train/clip_frac_low", "train/tokens_per_s"):
         assert key in stats[0]
     assert stats[0]["train/grad_norm"] > 0
-    after = wait_all([a.call("score", batch["prompt_ids"], batch["response_ids"]) for a in ranks])
+    after = wait_all([a.call("score", batch.prompt_ids, batch.response_ids) for a in ranks])
     # Positive-advantage samples become more likely on average, negative ones less.
     delta = [sum(a) - sum(b) for a, b in zip(after[0], before[0])]
     pos = sum(d for i, d in enumerate(delta) if i % 2) / 5
@@ -96,7 +97,7 @@ def test_weight_sync_delivers_the_gathered_weights(ranks):
 
 def test_non_finite_loss_skips_the_optimizer_step(ranks):
     batch = make_batch(seed=3)
-    batch["advantages"] = [float("nan")] * len(batch["advantages"])
+    batch.advantages = [float("nan")] * len(batch)
     before = wait_all([a.call("full_state_dict") for a in ranks])[0]
     stats = wait_all([a.call("train_step", batch, 2) for a in ranks])
     import math
@@ -116,7 +117,7 @@ def _one_step_update(model_dir, budget: int) -> tuple[dict, float]:
         wait_all([a.ready for a in actors], timeout=600)
         rng = random.Random(0)
         batch = make_batch(16, seed=5)
-        batch["advantages"] = [rng.uniform(-1, 1) for _ in range(16)]
+        batch.advantages = [rng.uniform(-1, 1) for _ in range(16)]
         w0 = wait_all([a.call("full_state_dict") for a in actors])[0]
         stats = wait_all([a.call("train_step", batch, 1) for a in actors])[0]
         w1 = wait_all([a.call("full_state_dict") for a in actors])[0]

@@ -1,0 +1,148 @@
+"""The driver's typed view of its two worker groups (slime's actor-group facade is the model).
+
+`TrainerGroup` wraps the trainer ranks (`rl.trainer.worker.TrainerWorker`), `RolloutGroup` the
+engines (`rl.runtime.EngineHost`); behind them are Ray actors or plain processes
+(`rl.cluster.actors`). `*_async` methods return futures, the others block. The method names of
+the workers appear here and nowhere else in the driver.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from rl.cluster.actors import Future, wait_all
+from rl.rollout.base import Sample, SamplingParams
+from rl.trainer.batch import TrainBatch
+
+
+class TrainerGroup:
+    def __init__(self, actors: list):
+        self.actors = actors
+
+    def ping_async(self) -> list[Future]:
+        return [a.call("ping") for a in self.actors]
+
+    def train(self, batch: TrainBatch, step: int) -> tuple[dict, list[list[float]]]:
+        """(rank-averaged statistics, the trainer's old log-probs of every sample in batch
+        order)."""
+        results = wait_all([a.call("train_step", batch, step) for a in self.actors])
+        old: dict[int, list[float]] = {}
+        for r in results:
+            old.update(r.pop("old_logprobs"))
+        return results[0], [old.get(i, []) for i in range(len(batch))]
+
+    def score(self, prompt_ids: list[list[int]], response_ids: list[list[int]]
+              ) -> list[list[float]]:
+        """Per-token log-probs of the responses (every rank takes part under ZeRO-3)."""
+        return wait_all([a.call("score", prompt_ids, response_ids) for a in self.actors])[0]
+
+    def save(self, path: str, tag: str, client_state: dict) -> None:
+        wait_all([a.call("save", path, tag, client_state) for a in self.actors])
+
+    def load(self, path: str, tag: str) -> dict:
+        return wait_all([a.call("load", path, tag) for a in self.actors])[0]
+
+    # ---- weight sync (rank 0 sends; every rank takes part in gathering ZeRO-3 shards) ------
+    def sync_plan(self):
+        return self.actors[0].call("sync_plan").result()
+
+    def sync_address(self) -> tuple[str, int]:
+        return self.actors[0].call("sync_address").result()
+
+    def init_weight_sync_async(self, host: str, port: int, world_size: int) -> Future:
+        return self.actors[0].call("init_weight_sync", host, port, world_size)
+
+    def close_weight_sync(self) -> None:
+        self.actors[0].call("close_weight_sync").result()
+
+    def send_weights_async(self, version: int) -> list[Future]:
+        return [a.call("send_weights", version) for a in self.actors]
+
+
+class Generation:
+    """A generation in flight on the rollout engines; `result()` waits for it."""
+
+    def __init__(self, futures: list, n_prompts: int, num_engines: int):
+        self._futures, self._n, self._m = futures, n_prompts, num_engines
+        self.seconds = 0.0
+        """Generation wall time (the slowest engine's), set by `result()`."""
+
+    def wait(self, timeout: float) -> bool:
+        """True when every engine has answered (a dead one raises at `result`), within
+        `timeout` s."""
+        deadline = time.monotonic() + timeout
+        for _, f in self._futures:
+            try:
+                f.result(timeout=max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                return False
+            except Exception:  # noqa: BLE001 - answered with an error: `result` raises it
+                pass
+        return True
+
+    def result(self) -> list[list[Sample]]:
+        per_engine = {i: f.result() for i, f in self._futures}
+        self.seconds = max((r["seconds"] for r in per_engine.values()), default=0.0)
+        out: list[list[Sample]] = [None] * self._n  # type: ignore[list-item]
+        for i, r in per_engine.items():
+            for j, samples in enumerate(r["groups"]):
+                out[i + j * self._m] = samples
+        return out
+
+
+class RolloutGroup:
+    def __init__(self, engines: list):
+        self.engines = engines
+        """The engine handles; the runtime replaces a dead one in place."""
+
+    def generate_async(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
+                       ) -> Generation:
+        """Starts generating and returns at once (the engines work while the driver trains).
+
+        Prompts are split evenly over engines (in order); engine i samples with seed + i. An
+        engine serves its calls in order, so a weight update sent later waits for this call.
+        """
+        m = len(self.engines)
+        futures = []
+        for i, engine in enumerate(self.engines):
+            chunk = prompt_ids[i::m]
+            if chunk:
+                sp = dataclasses.replace(sampling, seed=seed + i)
+                futures.append((i, engine.call("generate", chunk, sp)))
+        return Generation(futures, len(prompt_ids), m)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
+                 ) -> list[list[Sample]]:
+        return self.generate_async(prompt_ids, sampling, seed).result()
+
+    def score(self, prompt_ids, response_ids) -> list[list[list[float]]]:
+        """Each engine's per-token log-probs of the responses."""
+        return wait_all([e.call("score", prompt_ids, response_ids) for e in self.engines])
+
+    def busy_seconds(self) -> float:
+        """Mean over engines of the seconds each spent working (generate, score, receive)."""
+        busy = wait_all([e.call("busy_seconds") for e in self.engines])
+        return sum(busy) / len(busy)
+
+    def versions(self) -> list[int]:
+        return wait_all([e.call("weight_version") for e in self.engines])
+
+    def pid_async(self, i: int) -> Future:
+        """Engine i's process id: answers iff it is alive."""
+        return self.engines[i].call("pid")
+
+    def num_sync_ranks(self) -> list[int]:
+        return wait_all([e.call("num_sync_ranks") for e in self.engines])
+
+    def init_weight_sync_async(self, host: str, port: int, world_size: int, sizes: list[int],
+                               backend: str, timeout_s: float) -> list[Future]:
+        """Engine k joins with ranks 1 + sum(sizes[:k]) ... (trainer rank 0 is rank 0)."""
+        futures, first = [], 1
+        for e, size in zip(self.engines, sizes):
+            futures.append(e.call("init_weight_sync", host, port, world_size, first, backend,
+                                  timeout_s))
+            first += size
+        return futures
+
+    def receive_weights_async(self, plan, version: int) -> list[Future]:
+        return [e.call("receive_weights", plan, version) for e in self.engines]

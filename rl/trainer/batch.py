@@ -1,0 +1,58 @@
+"""The batch one training step consumes: the driver builds it, every trainer rank receives it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainBatch:
+    """N samples in the driver's order (prompt groups of n_samples, groups in prompt order).
+
+    Per-sample lists have length N; per-token lists are aligned with `response_ids[i]`.
+    """
+    prompt_ids: list[list[int]]
+    """Prompt token ids of each sample."""
+    response_ids: list[list[int]]
+    """Generated token ids of each sample."""
+    rollout_logprobs: list[list[float]]
+    """The rollout engine's log-prob of each response token (per token)."""
+    advantages: list[float]
+    """One advantage per sample (GRPO: group-normalised reward)."""
+    # ---- optional per-token extras -----------------------------------------------------------
+    # Each is None when the run does not produce it, else N per-token lists aligned with
+    # response_ids. Declare it here with a None default and list its name in PER_TOKEN_EXTRAS:
+    # the lengths are then checked like rollout_logprobs'.
+
+    def __post_init__(self) -> None:
+        n = len(self.prompt_ids)
+        for name in ("response_ids", "rollout_logprobs", "advantages"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"train batch: {len(getattr(self, name))} {name} for {n} prompts")
+        for name in ("rollout_logprobs", *PER_TOKEN_EXTRAS):
+            rows = getattr(self, name)
+            if rows is None:
+                continue
+            if len(rows) != n:
+                raise ValueError(f"train batch: {len(rows)} rows of {name} for {n} samples")
+            for i, (row, resp) in enumerate(zip(rows, self.response_ids)):
+                if len(row) != len(resp):
+                    raise ValueError(f"train batch: sample {i} has {len(row)} {name} for "
+                                     f"{len(resp)} response tokens")
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @classmethod
+    def from_samples(cls, samples, advantages: list[float]) -> TrainBatch:
+        """From rollout `Sample`s (rl.rollout.base), in batch order."""
+        return cls(prompt_ids=[s.prompt_ids for s in samples],
+                   response_ids=[s.response_ids for s in samples],
+                   rollout_logprobs=[s.logprobs for s in samples], advantages=list(advantages))
+
+    def lengths(self) -> list[int]:
+        """Prompt + response tokens of each sample."""
+        return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
+
+
+PER_TOKEN_EXTRAS: tuple[str, ...] = ()
+"""Names of TrainBatch's optional per-token fields (declared under "optional per-token extras")."""
