@@ -185,10 +185,11 @@ class RolloutConfig:
     updates."""
     quantization: Literal["none", "fp8"] = "none"
     """`fp8` on GPU clusters (vLLM's FP8 path has no CPU kernel)."""
-    kv_cache_dtype: Literal["auto", "bfloat16", "fp8"] = "auto"
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_ds_mla"] = "auto"
     """The engine's KV cache: `auto` (the engine's dtype: bf16 on GPUs, fp32 on CPU), `bfloat16`,
-    or `fp8` (e4m3 with scales; the vllm engine only). The same key sizes the KV cache in the
-    memory plan (`launch.plan`: auto and bfloat16 are 2 bytes per value, fp8 one)."""
+    `fp8` (e4m3 with scales; the vllm engine only) or `fp8_ds_mla` (DeepSeek-V4's packed FP8
+    layout, 584 B per entry, which vLLM's V4 requires on GPUs: it turns auto and fp8 into it). The
+    same key sizes the KV cache in the memory plan (`launch.plan`, see rl/plan/kv.py)."""
     n_samples: int = 8
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -229,7 +230,7 @@ class RolloutConfig:
     """`native` with quantization fp8: round block scales up to powers of two."""
 
     def __post_init__(self) -> None:
-        _check(self.kv_cache_dtype != "fp8" or self.engine == "vllm", "kv_cache_dtype",
+        _check(not self.kv_cache_dtype.startswith("fp8") or self.engine == "vllm", "kv_cache_dtype",
                self.kv_cache_dtype, f"'auto' or 'bfloat16' with engine {self.engine!r} (an FP8 KV "
                "cache exists only in the vllm engine)")
         _positive(self, "num_engines", "tensor_parallel_size", "n_samples", "max_new_tokens",
