@@ -34,6 +34,7 @@ from typing import Iterable
 import torch
 
 from rl.config import ConfigError, RolloutConfig
+from rl.quant.backends import vllm_engine_env
 from rl.rollout.base import (
     Sample, SamplingParams, check_score_args, check_token_lists, check_version, has_tokenizer,
     prompt_seeds,
@@ -79,11 +80,10 @@ def engine_kwargs(model_dir: str | Path, cfg: RolloutConfig, device: torch.devic
 
 def _configure_environment(cfg: RolloutConfig) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if cfg.use_aiter:
-        if torch.version.hip:
-            os.environ.setdefault("VLLM_ROCM_USE_AITER", "1")
-        else:
-            log.warning("rollout.use_aiter=true is ignored: AITER kernels exist only on ROCm")
+    is_rocm = bool(getattr(torch.version, "hip", None))
+    if cfg.use_aiter and not is_rocm:
+        log.warning("rollout.use_aiter=true is ignored: AITER kernels exist only on ROCm")
+    os.environ.update(vllm_engine_env(cfg.use_aiter, is_rocm))
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         log.warning("VLLM_CPU_KVCACHE_SPACE=%s overrides rollout.cpu_kvcache_gb=%s",
                     os.environ["VLLM_CPU_KVCACHE_SPACE"], cfg.cpu_kvcache_gb)
