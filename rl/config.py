@@ -185,6 +185,11 @@ class RolloutConfig:
     updates."""
     quantization: Literal["none", "fp8"] = "none"
     """`fp8` on GPU clusters (vLLM's FP8 path has no CPU kernel)."""
+    model_path: str | None = None
+    """vllm: the checkpoint the engine is built from and first loads (null: the trainer's
+    model). DeepSeek-V4 on GPUs: the `python -m launch.convert SRC --rollout-out DIR` directory,
+    so vLLM builds its own V4 FP8 layout (block-FP8 linears, FP4 experts, from that
+    config.json's quantization_config) rather than quantising BF16 weights online."""
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_ds_mla"] = "auto"
     """The engine's KV cache: `auto` (the engine's dtype: bf16 on GPUs, fp32 on CPU), `bfloat16`,
     `fp8` (e4m3 with scales; the vllm engine only) or `fp8_ds_mla` (DeepSeek-V4's packed FP8
@@ -233,6 +238,9 @@ class RolloutConfig:
         _check(not self.kv_cache_dtype.startswith("fp8") or self.engine == "vllm", "kv_cache_dtype",
                self.kv_cache_dtype, f"'auto' or 'bfloat16' with engine {self.engine!r} (an FP8 KV "
                "cache exists only in the vllm engine)")
+        _check(self.model_path is None or self.engine == "vllm", "model_path", self.model_path,
+               f"null with engine {self.engine!r} (only the vllm engine is built from its own "
+               "checkpoint)")
         _positive(self, "num_engines", "tensor_parallel_size", "n_samples", "max_new_tokens",
                   "max_model_len", "cpu_kvcache_gb", "max_batch_size")
         if self.fp8_keep_bf16 is not None:
