@@ -74,8 +74,9 @@ class _Reader:
             self._open[shard] = safe_open(str(self.src.path / shard), framework="pt")
         return self._open[shard].get_tensor(name)
 
-    def close_except(self, keep: str) -> None:
-        self._open = {k: v for k, v in self._open.items() if k == keep}
+    def close(self) -> None:
+        """Drop the memory maps (between input shards: pages of finished shards are let go)."""
+        self._open = {}
 
 
 def _output_tensors(src: Source, reader: _Reader, shard: str, target: str):
@@ -158,7 +159,8 @@ def _finish(src: Source, out_dir: Path, target: str, manifest: dict) -> int:
                                               "weight_map": dict(sorted(weight_map.items()))})
     _write_json_atomic(out_dir / "config.json", _output_config(src, target))
     for item in sorted(src.path.iterdir()):
-        if (item.is_file() and item.name not in _SKIP_FILES and item.name not in src.shards
+        # Not weights: tokenizer, generation config, license, the model card.
+        if (item.is_file() and item.name not in _SKIP_FILES and item.suffix != ".safetensors"
                 and not item.name.startswith(".")):
             shutil.copyfile(item, out_dir / item.name)
     return total
@@ -203,7 +205,7 @@ def convert(src: Source, out_dir: str | Path, target: str, *, max_shard_bytes: i
         entry = _convert_shard(src, reader, i, shard, target, out_dir, max_shard_bytes)
         manifest["shards"][shard] = entry
         _write_json_atomic(manifest_path, manifest)
-        reader.close_except(keep="")
+        reader.close()
         size = sum((out_dir / f).stat().st_size for f in entry["files"]) / 2**30
         log(f"[{i}/{n}] {shard} -> {', '.join(entry['files'])} ({size:.3f} GiB, "
             f"{time.monotonic() - t0:.1f} s)")
