@@ -19,7 +19,8 @@ def test_vllm_is_built_from_the_prequantized_checkpoint(tmp_path):
     assert kwargs["model"] == str(fp8) and kwargs["quantization"] is None
     assert engine_kwargs(trainer, load_config(None, []).rollout, cpu,
                          torch.float32)["model"] == str(trainer)
-    with pytest.raises(ConfigError, match=r"rollout.model_path: .*no config\.json.*launch\.convert"):
+    with pytest.raises(ConfigError,
+                       match=r"rollout.model_path: .*no config\.json.*launch\.convert"):
         engine_kwargs(trainer, load_config(None, [f"rollout.model_path={tmp_path}"]).rollout,
                       cpu, torch.float32)
     with pytest.raises(ConfigError, match=r"rollout.model_path: got .*expected null with engine "
