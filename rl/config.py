@@ -185,10 +185,16 @@ class RolloutConfig:
     updates."""
     quantization: Literal["none", "fp8"] = "none"
     """`fp8` on GPU clusters (vLLM's FP8 path has no CPU kernel)."""
-    kv_cache_dtype: Literal["auto", "bfloat16", "fp8"] = "auto"
+    model_path: str | None = None
+    """vllm: the checkpoint the engine is built from and first loads (null: the trainer's
+    model). DeepSeek-V4 on GPUs: the `python -m launch.convert SRC --rollout-out DIR` directory,
+    so vLLM builds its own V4 FP8 layout (block-FP8 linears, FP4 experts, from that
+    config.json's quantization_config) rather than quantising BF16 weights online."""
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_ds_mla"] = "auto"
     """The engine's KV cache: `auto` (the engine's dtype: bf16 on GPUs, fp32 on CPU), `bfloat16`,
-    or `fp8` (e4m3 with scales; the vllm engine only). The same key sizes the KV cache in the
-    memory plan (`launch.plan`: auto and bfloat16 are 2 bytes per value, fp8 one)."""
+    `fp8` (e4m3 with scales; the vllm engine only) or `fp8_ds_mla` (DeepSeek-V4's packed FP8
+    layout, 584 B per entry, which vLLM's V4 requires on GPUs: it turns auto and fp8 into it). The
+    same key sizes the KV cache in the memory plan (`launch.plan`, see rl/plan/kv.py)."""
     n_samples: int = 8
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -229,9 +235,12 @@ class RolloutConfig:
     """`native` with quantization fp8: round block scales up to powers of two."""
 
     def __post_init__(self) -> None:
-        _check(self.kv_cache_dtype != "fp8" or self.engine == "vllm", "kv_cache_dtype",
+        _check(not self.kv_cache_dtype.startswith("fp8") or self.engine == "vllm", "kv_cache_dtype",
                self.kv_cache_dtype, f"'auto' or 'bfloat16' with engine {self.engine!r} (an FP8 KV "
                "cache exists only in the vllm engine)")
+        _check(self.model_path is None or self.engine == "vllm", "model_path", self.model_path,
+               f"null with engine {self.engine!r} (only the vllm engine is built from its own "
+               "checkpoint)")
         _positive(self, "num_engines", "tensor_parallel_size", "n_samples", "max_new_tokens",
                   "max_model_len", "cpu_kvcache_gb", "max_batch_size")
         if self.fp8_keep_bf16 is not None:
@@ -468,6 +477,63 @@ class SlurmGroupConfig:
         _non_negative(self, "gpus_per_node", "cpus_per_node", "mem_gb")
 
 
+_GDR_LEVELS = ("LOC", "PIX", "PXB", "PHB", "SYS")
+_NCCL_DEBUG = ("VERSION", "WARN", "INFO", "TRACE")
+
+
+@dataclass(kw_only=True, slots=True)
+class NetworkConfig:
+    """NCCL / RDMA settings, exported by the Slurm job script (`slurm.params.network_env`) so
+    every srun step, Ray worker and actor inherits them. null = NCCL's own default (not set)."""
+    ib_hca: str | None = None
+    """NCCL_IB_HCA: the HCAs/ports NCCL uses, e.g. `mlx5` or `=mlx5_0:1,mlx5_3:1` (`^mlx5_1`
+    excludes one); list the compute fabric's, not storage or management HCAs."""
+    socket_ifname: str | None = None
+    """NCCL_SOCKET_IFNAME: the IP interface for NCCL's bootstrap and TCP fallback, e.g. `ib0`,
+    `=bond0` (exact), `^lo,docker` (exclude)."""
+    gloo_socket_ifname: str | None = None
+    """GLOO_SOCKET_IFNAME: the interface of gloo groups (CPU collectives, the weight-sync store)
+    when the default one is not the fabric's; plain names only (`ib0` or `ib0,ib1`)."""
+    ib_gid_index: int | None = None
+    """NCCL_IB_GID_INDEX: the GID carrying RoCE v2 (often 3); not needed on InfiniBand."""
+    net_gdr_level: str | None = None
+    """NCCL_NET_GDR_LEVEL: how far a NIC may be from a GPU for GPUDirect RDMA: LOC, PIX, PXB,
+    PHB or SYS (see `nvidia-smi topo -m`)."""
+    ib_timeout: int | None = None
+    """NCCL_IB_TIMEOUT (4.096 us x 2^value; e.g. 22 on large or busy fabrics)."""
+    ib_retry_cnt: int | None = None
+    """NCCL_IB_RETRY_CNT (e.g. 7)."""
+    ib_disable: bool = False
+    """NCCL_IB_DISABLE=1: TCP sockets only (to tell a fabric problem from a code problem; very
+    slow for large models)."""
+    debug: str | None = None
+    """NCCL_DEBUG: VERSION, WARN, INFO or TRACE (INFO once, to see NET/IB and GDRDMA)."""
+    debug_subsys: str | None = None
+    """NCCL_DEBUG_SUBSYS, e.g. `INIT,NET`."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """Further NCCL_*, UCX_* or GLOO_* variables exported as given (name -> value)."""
+
+    def __post_init__(self) -> None:
+        for name in ("ib_hca", "socket_ifname", "gloo_socket_ifname", "debug_subsys"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value.strip() != ""
+                                     and not any(c.isspace() for c in value)),
+                   name, value, "null or a non-empty string without spaces")
+        for name in ("ib_gid_index", "ib_timeout", "ib_retry_cnt"):
+            value = getattr(self, name)
+            _check(value is None or value >= 0, name, value, "null or a value >= 0")
+        _check(self.gloo_socket_ifname is None
+               or re.fullmatch(r"[\w.:-]+(,[\w.:-]+)*", self.gloo_socket_ifname) is not None,
+               "gloo_socket_ifname", self.gloo_socket_ifname,
+               "interface names such as ib0 or ib0,ib1 (gloo has no ^ or = prefixes)")
+        _check(self.net_gdr_level in (None, *_GDR_LEVELS), "net_gdr_level", self.net_gdr_level,
+               f"null or one of {', '.join(_GDR_LEVELS)}")
+        _check(self.debug in (None, *_NCCL_DEBUG), "debug", self.debug,
+               f"null or one of {', '.join(_NCCL_DEBUG)}")
+        bad = [k for k in self.extra_env if not re.fullmatch(r"(NCCL|UCX|GLOO)_[A-Z0-9_]+", k)]
+        _check(not bad, "extra_env", bad, "names NCCL_*, UCX_* or GLOO_* (upper case)")
+
+
 @dataclass(kw_only=True, slots=True)
 class ClusterConfig:
     kind: Literal["local", "slurm"] = "local"
@@ -494,6 +560,8 @@ class ClusterConfig:
     """Ray object store per node [MiB]; 0 = Ray's default (30% of the node's RAM)."""
     slurm_params: dict[str, str] = field(default_factory=dict)
     """Extra sbatch options applied to both components (validated against a table)."""
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    """kind slurm: NCCL / RDMA settings the job script exports (HCAs, interface, GID index)."""
 
     def num_nodes(self, group: Literal["trainer", "rollout"]) -> int:
         """Machines the group spans: its `nodes` under Slurm; a local run is one machine."""

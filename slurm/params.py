@@ -38,6 +38,31 @@ _OWNED = {"job_name", "ntasks_per_node", "signal", "requeue", "output", "error",
           *GENERIC_TO_SLURM.values()}
 
 
+# `rl.config.NetworkConfig` field -> the environment variables it sets in the job script.
+NETWORK_ENV: dict[str, tuple[str, ...]] = {
+    "ib_hca": ("NCCL_IB_HCA",),
+    "socket_ifname": ("NCCL_SOCKET_IFNAME",),
+    "gloo_socket_ifname": ("GLOO_SOCKET_IFNAME",),
+    "ib_gid_index": ("NCCL_IB_GID_INDEX",),
+    "net_gdr_level": ("NCCL_NET_GDR_LEVEL",),
+    "ib_timeout": ("NCCL_IB_TIMEOUT",),
+    "ib_retry_cnt": ("NCCL_IB_RETRY_CNT",),
+    "debug": ("NCCL_DEBUG",),
+    "debug_subsys": ("NCCL_DEBUG_SUBSYS",),
+}
+
+
+def network_env(network: tp.Any) -> dict[str, str]:
+    """{variable: value} for a `NetworkConfig`: set fields only (null leaves NCCL's default),
+    `ib_disable` as NCCL_IB_DISABLE=1, then `extra_env`."""
+    env = {var: str(getattr(network, name)) for name, variables in NETWORK_ENV.items()
+           if getattr(network, name) is not None for var in variables}
+    if network.ib_disable:
+        env["NCCL_IB_DISABLE"] = "1"
+    env.update({k: str(v) for k, v in network.extra_env.items()})
+    return env
+
+
 class SlurmParamError(ValueError):
     """An sbatch option we do not know or do not let users set; lists every valid one."""
 

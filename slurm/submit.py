@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from rl.config import Config
 from slurm.executor import HetJob, HetJobExecutor
+from slurm.params import network_env
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_FILE = "slurm_job.json"
@@ -29,9 +31,13 @@ def make_executor(cfg: Config, *, python: str | None = None, repo: Path = REPO) 
     the job runs `python` (default: this interpreter), imports the checkout at `repo`
     (PYTHONPATH) and runs in the submitting directory (sbatch's default)."""
     folder = cfg.run_dir.resolve() / "submitit"
+    # NCCL / RDMA settings (cluster.network): exported here, they reach every srun step, the Ray
+    # daemons that srun starts, and so every actor.
+    network = [f"export {k}={shlex.quote(v)}"
+               for k, v in sorted(network_env(cfg.cluster.network).items())]
     return HetJobExecutor.from_config(
         folder, cfg.cluster, job_name=cfg.name, python=python,
-        setup=[f"export PYTHONPATH={repo}${{PYTHONPATH:+:$PYTHONPATH}}"])
+        setup=[f"export PYTHONPATH={repo}${{PYTHONPATH:+:$PYTHONPATH}}", *network])
 
 
 def submit_slurm(cfg: Config, args: argparse.Namespace) -> int:

@@ -55,6 +55,31 @@ def model_type(model_dir: Path) -> str:
     return json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
 
 
+def refuse_quantized(model_dir: Path) -> None:
+    """ConfigError (one line, naming the converter) if `model_dir` is a quantized checkpoint.
+
+    The trainer needs BF16/fp32 parameters: `from_pretrained` would keep FP8 weights as FP8 (on
+    GPUs) or fail on FP4-packed int8 experts, and AdamW cannot train either. Detected from
+    config.json's `quantization_config` or from any FP8 / int8 / uint8 tensor in the shards'
+    headers (no tensor data is read).
+    """
+    from rl.models.convert.source import QUANTIZED_DTYPES, read_header
+
+    model_dir = Path(model_dir)
+    fix = (f"the trainer needs BF16: convert it first with `python -m launch.convert "
+           f"{model_dir} --trainer-out DIR` and point model.path at DIR")
+    qc = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
+    if qc:
+        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+        raise ConfigError(f"model.path: {str(model_dir)!r} is a quantized checkpoint "
+                          f"(config.json quantization_config, quant_method {method}); {fix}")
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        for name, (dtype, _) in read_header(shard).items():
+            if dtype in QUANTIZED_DTYPES:
+                raise ConfigError(f"model.path: {str(model_dir)!r} is a quantized checkpoint "
+                                  f"({shard.name}: {name} is {dtype}); {fix}")
+
+
 def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu"
                ) -> PreTrainedModel:
     """Load a causal LM from `model_dir` in `dtype`, on `device`, in eval mode.
@@ -63,7 +88,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device =
     (`model._keep_in_fp32_modules_strict`: DeepSeek-V4's norms, hyper-connection mixers, sinks,
     e_score_correction_bias); integer buffers (`tid2eid`) stay integer. Attention is eager for
     architectures whose HF code has no other implementation (DeepSeek-V4), SDPA otherwise.
+    A quantized checkpoint is refused (`refuse_quantized`).
     """
+    refuse_quantized(model_dir)
     kind = model_type(model_dir)
     attn = "eager" if kind in _EAGER_ONLY else "sdpa"
     config_cls, model_cls = transformers_classes(kind)
@@ -71,7 +98,6 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device =
     model = model_cls.from_pretrained(str(model_dir), config=config, dtype=dtype,
                                       attn_implementation=attn, local_files_only=True)
     return model.to(device).eval()
-
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:

@@ -12,12 +12,26 @@
   the compressors carry (< 2m tokens per layer) are ignored.
 
 Units: bytes. `dtype_bytes` is 2 for a bf16 cache, 1 for fp8.
+
+`cache_dtype` (`rollout.kv_cache_dtype` of a vLLM engine on GPUs) matters for DeepSeek-V4 only:
+vLLM 0.32's V4 attention (FlashMLA, its default backend) stores the cache in DeepSeek's packed
+`fp8_ds_mla` layout and turns `auto` and `fp8` into it (`_resolve_dsv4_kv_cache_dtype` in
+vllm/models/deepseek_v4/attention.py). Per entry, attention and sliding window alike: 448 B of
+FP8 NoPE values + 128 B of BF16 RoPE values + 8 B of scales = 584 B (vLLM's constant, for V4's
+head_dim 512); per indexer key: index_head_dim FP8 bytes + 4 B per 128 (132 B). `bfloat16` is
+the plain-row layout of the FlashInfer sparse backend, 2 B per value.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rl.config import ConfigError
 from rl.plan.arch import Arch, field_of, v4_compress_rates
+
+DS_MLA_ENTRY_BYTES = 584
+"""One fp8_ds_mla cache entry of DeepSeek-V4 (head_dim 512, rope 64): vLLM's
+`state_content_bytes` / `packed_bytes_per_token`."""
+_DS_MLA_NAMES = ("auto", "fp8", "fp8_ds_mla")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +77,8 @@ def mla(arch: Arch, dtype_bytes: int) -> KVLayout:
         f"{_kib(per_token)}/token (replicated on every TP rank)",))
 
 
-def deepseek_v4(arch: Arch, dtype_bytes: int) -> KVLayout:
+def deepseek_v4(arch: Arch, dtype_bytes: int, packed: bool = False) -> KVLayout:
+    """`packed`: vLLM's fp8_ds_mla layout (see the module doc), else `dtype_bytes` per value."""
     c, src = arch.config, arch.source
     hd, idx = field_of(c, src, "head_dim"), field_of(c, src, "index_head_dim")
     window = field_of(c, src, "sliding_window")
@@ -71,25 +86,40 @@ def deepseek_v4(arch: Arch, dtype_bytes: int) -> KVLayout:
     m_csa, m_hca = rates["compressed_sparse_attention"], rates["heavily_compressed_attention"]
     n = {t: arch.layer_types.count(t) for t in
          ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")}
-    csa = (hd + idx) / m_csa * dtype_bytes
-    hca = hd / m_hca * dtype_bytes
+    if packed:
+        entry, key = DS_MLA_ENTRY_BYTES, idx + idx // 128 * 4
+        entry_s, key_s = f"{entry} B (fp8_ds_mla)", f"indexer {key} B (fp8 + scales)"
+    else:
+        entry, key = hd * dtype_bytes, idx * dtype_bytes
+        entry_s, key_s = f"head_dim {hd} x {dtype_bytes} B", f"indexer {idx} x {dtype_bytes} B"
+    csa = (entry + key) / m_csa
+    hca = entry / m_hca
     per_token = n["compressed_sparse_attention"] * csa + n["heavily_compressed_attention"] * hca
-    per_seq = arch.num_layers * window * hd * dtype_bytes
+    per_seq = arch.num_layers * window * entry
     return KVLayout(per_token, per_seq, (
         f"DeepSeek-V4 ({n['sliding_attention']} sliding-only, {n['compressed_sparse_attention']} "
         f"CSA, {n['heavily_compressed_attention']} HCA layers; one K=V head, replicated on "
         "every TP rank):",
-        f"  CSA: (head_dim {hd} + indexer {idx}) / {m_csa} x {dtype_bytes} B = {csa:,.0f} B/token "
-        f"per layer; HCA: {hd} / {m_hca} x {dtype_bytes} B = {hca:,.0f} B/token per layer",
+        f"  CSA: ({entry_s} + {key_s}) / {m_csa} = {csa:,.0f} B/token per layer; "
+        f"HCA: {entry_s} / {m_hca} = {hca:,.0f} B/token per layer",
         f"  = {_kib(per_token)}/token, plus sliding windows {arch.num_layers} layers x {window} "
-        f"x {hd} x {dtype_bytes} B = {per_seq / 2**20:,.1f} MiB per sequence",
+        f"x {entry_s} = {per_seq / 2**20:,.1f} MiB per sequence",
     ))
 
 
-def kv_layout(arch: Arch, tp: int, dtype_bytes: int) -> KVLayout:
-    """The KV cost of `arch` per TP rank at tensor-parallel size `tp`."""
+def kv_layout(arch: Arch, tp: int, dtype_bytes: int, cache_dtype: str | None = None
+              ) -> KVLayout:
+    """The KV cost of `arch` per TP rank at tensor-parallel size `tp`.
+
+    `cache_dtype`: vLLM's `kv_cache_dtype` on GPUs (None: plain rows of `dtype_bytes`, as HF and
+    vLLM-CPU keep them). DeepSeek-V4 under auto / fp8 / fp8_ds_mla is sized in the packed
+    layout; fp8_ds_mla on any other model is a ConfigError.
+    """
+    if cache_dtype == "fp8_ds_mla" and arch.model_type != "deepseek_v4":
+        raise ConfigError(f"rollout.kv_cache_dtype: 'fp8_ds_mla' is DeepSeek-V4's packed cache "
+                          f"layout; model_type {arch.model_type!r} expected auto, bfloat16 or fp8")
     if arch.model_type == "deepseek_v3":
         return mla(arch, dtype_bytes)
     if arch.model_type == "deepseek_v4":
-        return deepseek_v4(arch, dtype_bytes)
+        return deepseek_v4(arch, dtype_bytes, packed=cache_dtype in _DS_MLA_NAMES)
     return gqa(arch, tp, dtype_bytes)

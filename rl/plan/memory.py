@@ -235,7 +235,8 @@ def plan_rollout(cfg: Config, arch: Arch) -> GroupPlan:
     on_gpu = cl.gpus_per_node > 0
     weights, kept, scales = rollout_weight_bytes(arch, tp, fp8)
     other = rollout_weight_bytes(arch, tp, not fp8)[0]
-    kv = kv_layout(arch, tp, 1 if r.kv_cache_dtype == "fp8" else 2)
+    kv = kv_layout(arch, tp, 1 if r.kv_cache_dtype in ("fp8", "fp8_ds_mla") else 2,
+                   cache_dtype=r.kv_cache_dtype if on_gpu else None)
     problems: list[str] = []
     if on_gpu:
         budget = r.gpu_memory_utilization * p.gpu_memory_gb * GiB

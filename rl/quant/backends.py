@@ -257,3 +257,15 @@ def vllm_aiter_env(enabled: bool) -> dict[str, str]:
     """
     value = "1" if enabled else "0"
     return {name: value for name in _VLLM_AITER_SWITCHES}
+
+
+def vllm_engine_env(use_aiter: bool, is_rocm: bool) -> dict[str, str]:
+    """What the vLLM engine process exports for `rollout.use_aiter` on this platform.
+
+    On ROCm every AITER switch is set explicitly (`vllm_aiter_env`), on or off. Elsewhere
+    nothing (AITER does not exist there; the engine warns if `use_aiter` was asked for). NOT RUN
+    on ROCm in this project (no AMD GPU): only the variables are tested, against vllm/envs.py.
+    (`VLLM_ROCM_USE_AITER_MOE_A4W4_DSV4`, the FP4-expert kernel, is left alone: vLLM 0.32 has
+    validated it for `deepseek_v41` only.)
+    """
+    return vllm_aiter_env(use_aiter) if is_rocm else {}

@@ -26,6 +26,7 @@ Choices, and why:
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import Iterable
 import torch
 
 from rl.config import ConfigError, RolloutConfig
+from rl.quant.backends import vllm_engine_env
 from rl.rollout.base import (
     Sample, SamplingParams, check_score_args, check_token_lists, check_version, has_tokenizer,
     prompt_seeds,
@@ -45,6 +47,17 @@ log = logging.getLogger(__name__)
 EXTENSION = "rl.rollout.vllm_ext.WeightSyncExtension"
 
 
+def _engine_checkpoint(model_dir: str | Path, cfg: RolloutConfig) -> tuple[Path, bool]:
+    """The directory vLLM is built from (`rollout.model_path`, else the trainer's model) and
+    whether its config.json carries a quantization_config."""
+    path = Path(cfg.model_path or model_dir)
+    if cfg.model_path is not None and not (path / "config.json").is_file():
+        raise ConfigError(f"rollout.model_path: {str(path)!r} has no config.json (expected the "
+                          "directory `python -m launch.convert SRC --rollout-out DIR` writes)")
+    config = path / "config.json"
+    return path, config.is_file() and "quantization_config" in json.loads(config.read_text())
+
+
 def engine_kwargs(model_dir: str | Path, cfg: RolloutConfig, device: torch.device,
                   dtype: torch.dtype) -> dict:
     """Arguments of `vllm.LLM` for this config (pure: no vLLM import, no environment change)."""
@@ -52,10 +65,12 @@ def engine_kwargs(model_dir: str | Path, cfg: RolloutConfig, device: torch.devic
     if cfg.quantization == "fp8" and on_cpu:
         raise ConfigError("rollout.quantization: got 'fp8', expected 'none' on a CPU machine "
                           "(vLLM's FP8 path has no CPU kernel: _C::static_scaled_fp8_quant)")
+    model_dir, prequantized = _engine_checkpoint(model_dir, cfg)
     kwargs = dict(
         model=str(model_dir), dtype=str(dtype).removeprefix("torch."),
         tensor_parallel_size=cfg.tensor_parallel_size,
-        quantization="fp8" if cfg.quantization == "fp8" else None,
+        # A pre-quantized checkpoint says its own method (DeepSeek-V4: deepseek_v4_fp8).
+        quantization="fp8" if cfg.quantization == "fp8" and not prequantized else None,
         max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
         worker_extension_cls=EXTENSION, logprobs_mode="raw_logprobs",
         enable_prefix_caching=True, disable_log_stats=True,
@@ -79,11 +94,10 @@ def engine_kwargs(model_dir: str | Path, cfg: RolloutConfig, device: torch.devic
 
 def _configure_environment(cfg: RolloutConfig) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if cfg.use_aiter:
-        if torch.version.hip:
-            os.environ.setdefault("VLLM_ROCM_USE_AITER", "1")
-        else:
-            log.warning("rollout.use_aiter=true is ignored: AITER kernels exist only on ROCm")
+    is_rocm = bool(getattr(torch.version, "hip", None))
+    if cfg.use_aiter and not is_rocm:
+        log.warning("rollout.use_aiter=true is ignored: AITER kernels exist only on ROCm")
+    os.environ.update(vllm_engine_env(cfg.use_aiter, is_rocm))
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         log.warning("VLLM_CPU_KVCACHE_SPACE=%s overrides rollout.cpu_kvcache_gb=%s",
                     os.environ["VLLM_CPU_KVCACHE_SPACE"], cfg.cpu_kvcache_gb)

@@ -34,6 +34,33 @@ def test_deepseek_v4_flash_3node_sbatch_text_matches_golden_file():
     assert all("#SBATCH --requeue" in part for part in (head, rollout))
     assert f"--output={cfg.run_dir}/submitit/%j_0_log.out" in head
     assert "-m submitit.core._submit" in rollout.splitlines()[-1]
+    # cluster.network, exported before the command so srun steps and Ray actors inherit it
+    setup = rollout.split("# setup\n")[1].split("# command")[0]
+    hca = cfg.cluster.network.ib_hca
+    assert f"export NCCL_IB_HCA={hca}\n" in setup and "export NCCL_DEBUG=WARN\n" in setup
+    assert "export NCCL_SOCKET_IFNAME='^lo,docker'\n" in setup and "GLOO_" not in setup
+
+
+def test_network_keys_become_the_nccl_environment():
+    from rl.config import ConfigError
+    from slurm.params import network_env
+
+    cfg = load_config(None, ["cluster.network.ib_hca=mlx5_0:1,mlx5_1:1",
+                             "cluster.network.socket_ifname==bond0",
+                             "cluster.network.gloo_socket_ifname=bond0",
+                             "cluster.network.ib_gid_index=3", "cluster.network.ib_disable=true",
+                             "cluster.network.extra_env={NCCL_NVLS_ENABLE: '0'}"])
+    assert network_env(cfg.cluster.network) == {
+        "NCCL_IB_HCA": "mlx5_0:1,mlx5_1:1", "NCCL_SOCKET_IFNAME": "=bond0",
+        "GLOO_SOCKET_IFNAME": "bond0", "NCCL_IB_GID_INDEX": "3", "NCCL_IB_DISABLE": "1",
+        "NCCL_NVLS_ENABLE": "0"}
+    assert network_env(load_config(None, []).cluster.network) == {}  # NCCL's defaults
+    with pytest.raises(ConfigError, match=r"cluster.network.net_gdr_level: got 'NEAR'"):
+        load_config(None, ["cluster.network.net_gdr_level=NEAR"])
+    with pytest.raises(ConfigError, match=r"cluster.network.gloo_socket_ifname: got '\^lo'"):
+        load_config(None, ["cluster.network.gloo_socket_ifname=^lo"])
+    with pytest.raises(ConfigError, match=r"cluster.network.extra_env: got \['PATH'\]"):
+        load_config(None, ["cluster.network.extra_env={PATH: /x}"])
 
 
 def test_stop_past_max_requeues_ends_with_a_clear_error(tmp_path):

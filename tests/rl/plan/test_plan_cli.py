@@ -25,7 +25,8 @@ def test_v4_plan_prints_breakdown_and_verdict():
     out = proc.stdout
     for needle in ("284.33B parameters", "Trainer: 2 node(s) x 8 rank(s) = 16 ranks",
                    "parameters (bf16, 1/16)", "AdamW moments", "activations: decoder layers",
-                   "weights per GPU: FP8", "vs BF16", "6.7 KiB/token", "concurrent sequences",
+                   "weights per GPU: FP8", "vs BF16", "fp8_ds_mla", "3.8 KiB/token",
+                   "concurrent sequences",
                    "verdict: FITS", "Verdict: FITS"):
         assert needle in out, needle
     # Speed is not timed here (a loaded machine makes any bound flaky): that planning imports
@@ -71,7 +72,8 @@ def test_known_slurm_params_plan_normally():
 
 def test_model_config_override_is_used(tmp_path, fixtures_dir):
     (tmp_path / "config.json").write_text((fixtures_dir / "Qwen3-8B.json").read_text())
-    proc, _ = run(V4, f"plan.model_config={tmp_path / 'config.json'}")
+    # fp8_ds_mla (the V4 config's cache) is V4's own layout: a Qwen3 plan takes plain fp8 rows.
+    proc, _ = run(V4, f"plan.model_config={tmp_path / 'config.json'}", "rollout.kv_cache_dtype=fp8")
     assert "model: qwen3 (" in proc.stdout and "8.19B parameters" in proc.stdout
 
 

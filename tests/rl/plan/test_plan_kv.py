@@ -1,6 +1,7 @@
 """KV-cache bytes per token: hand-computed small cases, and transformers' own caches."""
 import pytest
 
+from rl.config import ConfigError
 from rl.plan.arch import parse
 from rl.plan.kv import kv_layout
 
@@ -56,6 +57,25 @@ def test_v4_flash_per_token(v4_flash):
     kv = kv_layout(v4_flash, tp=8, dtype_bytes=2)
     assert kv.per_token == 21 * 320 + 20 * 8 == 6880
     assert kv.per_sequence == 43 * 128 * 512 * 2
+
+
+def test_v4_fp8_ds_mla_is_what_vllm_v4_allocates(v4_flash):
+    """vLLM's V4 on GPUs packs each entry in 584 B (attention.py `state_content_bytes`, the
+    SWA cache's `packed_bytes_per_token`) and each FP8 indexer key in 128 + 4 B; auto and fp8
+    become this layout, bfloat16 keeps plain 2-byte rows."""
+    tiny = parse(V4_TINY, "v4")
+    for dtype in ("fp8_ds_mla", "auto", "fp8"):
+        kv = kv_layout(tiny, tp=8, dtype_bytes=2, cache_dtype=dtype)
+        assert kv.per_token == 2 * (584 + 132) / 4 + 584 / 128 == 362.5625
+        assert kv.per_sequence == 4 * 16 * 584
+    assert kv_layout(tiny, 8, 2, cache_dtype="bfloat16").per_token == 648
+    flash = kv_layout(v4_flash, tp=8, dtype_bytes=1, cache_dtype="fp8_ds_mla")
+    assert flash.per_token == 21 * 179 + 20 * 584 / 128 == 3850.25      # 3.8 KiB, not 6.7
+
+
+def test_fp8_ds_mla_on_another_model_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"rollout\.kv_cache_dtype: 'fp8_ds_mla' .*'qwen3'"):
+        kv_layout(parse(gqa_config(), "gqa"), 1, 1, cache_dtype="fp8_ds_mla")
 
 
 # ---- against transformers' caches (fp32 models: 4 bytes per element) -----------------------

@@ -1,0 +1,216 @@
+"""Shard-by-shard, resumable, checksummed conversion of a checked `Source` into a directory.
+
+Targets:
+  * `trainer`: BF16 for DeepSpeed. Every FP8 / FP4 weight is dequantised to BF16 (exact with
+    ue8m0 scales) and its `.scale` dropped; other tensors keep their dtype (fp32 mHC, sinks and
+    router biases stay fp32); the MTP layer (`mtp.*`) is left out (transformers' V4 has none and
+    ignores it). Names stay DeepSeek's, which `load_model` (transformers 5.19) reads, the same
+    form `presets.save_model` writes. config.json loses `quantization_config`, gains
+    `expert_dtype: bf16`.
+  * `rollout`: the FP8 layout vLLM 0.32's V4 model loads, which is the published layout itself:
+    every tensor is copied unchanged (no requantisation, so no second rounding), with MTP.
+
+Resumability: output shards are written to a temporary name and renamed; after all parts of an
+input shard are in place, `convert_manifest.json` (also replaced atomically) records their
+sha256. A rerun checks the manifest's source fingerprint, re-hashes every recorded file, skips
+input shards whose outputs match, and converts the others again (a corrupt or missing output is
+reported on its own line). Peak memory: one input shard's tensors (read one at a time through
+safetensors' memory map) plus one output part of at most `max_shard_bytes`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rl.models.convert.source import INDEX_FILE, ConvertError, Source, dequantize
+
+TARGETS = ("trainer", "rollout")
+MANIFEST = "convert_manifest.json"
+FORMAT_VERSION = 1
+_SKIP_FILES = {INDEX_FILE, "config.json", MANIFEST}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fingerprint(src: Source, target: str) -> dict:
+    """What the outputs were made from: the index and every header (cheap, and changes with any
+    shard's layout), plus the target and the converter's format version."""
+    h = hashlib.sha256(json.dumps(src.headers, sort_keys=True).encode())
+    h.update(json.dumps(src.weight_map, sort_keys=True).encode())
+    return {"source": str(src.path.resolve()), "layout_sha256": h.hexdigest(), "target": target,
+            "format_version": FORMAT_VERSION}
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+class _Reader:
+    """Tensors by name across shards (memory-mapped; one tensor is materialised at a time)."""
+
+    def __init__(self, src: Source):
+        self.src, self._open = src, {}
+
+    def get(self, name: str) -> torch.Tensor:
+        shard = self.src.weight_map[name]
+        if shard not in self._open:
+            self._open[shard] = safe_open(str(self.src.path / shard), framework="pt")
+        return self._open[shard].get_tensor(name)
+
+    def close(self) -> None:
+        """Drop the memory maps (between input shards: pages of finished shards are let go)."""
+        self._open = {}
+
+
+def _output_tensors(src: Source, reader: _Reader, shard: str, target: str):
+    """(name, tensor) pairs for the outputs of input `shard`, one at a time, in name order."""
+    for name in sorted(src.headers[shard]):
+        kind = src.kind(name)
+        if target == "rollout":
+            yield name, reader.get(name)
+        elif kind in ("fp8", "fp4"):
+            base = name[:-len(".weight")]
+            yield name, dequantize(kind, reader.get(name), reader.get(base + ".scale"), src.block)
+        elif kind == "plain" and not name.startswith("mtp."):
+            yield name, reader.get(name)
+
+
+def _save_part(tensors: dict[str, torch.Tensor], out_dir: Path, fname: str) -> str:
+    tmp = out_dir / f".{fname}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    digest = sha256_file(tmp)
+    os.replace(tmp, out_dir / fname)
+    return digest
+
+
+def _convert_shard(src: Source, reader: _Reader, shard_no: int, shard: str, target: str,
+                   out_dir: Path, max_shard_bytes: int) -> dict:
+    """Write the parts of one input shard; returns its manifest entry."""
+    files, part, size = {}, {}, 0
+    weight_map: dict[str, str] = {}
+
+    def flush():
+        nonlocal part, size
+        fname = f"model-{shard_no:05d}-{len(files) + 1:03d}.safetensors"
+        files[fname] = _save_part(part, out_dir, fname)
+        weight_map.update({n: fname for n in part})
+        part, size = {}, 0
+
+    for name, tensor in _output_tensors(src, reader, shard, target):
+        nbytes = tensor.numel() * tensor.element_size()
+        if part and size + nbytes > max_shard_bytes:
+            flush()
+        part[name], size = tensor.contiguous(), size + nbytes
+    if part or not files:
+        flush()
+    return {"files": files, "weight_map": weight_map}
+
+
+def _verified(out_dir: Path, entry: dict, log: Callable[[str], None]) -> bool:
+    for fname, digest in entry["files"].items():
+        path = out_dir / fname
+        if not path.is_file():
+            log(f"  {fname}: missing, converting its input shard again")
+            return False
+        actual = sha256_file(path)
+        if actual != digest:
+            log(f"  {fname}: checksum mismatch (manifest {digest[:12]}, file {actual[:12]}), "
+                "converting its input shard again")
+            return False
+    return True
+
+
+def _output_config(src: Source, target: str) -> dict:
+    config = dict(src.config)
+    if target == "trainer":
+        config.pop("quantization_config", None)
+        config["expert_dtype"] = "bf16"
+        config["torch_dtype"] = "bfloat16"
+    else:
+        # vLLM's default is fp4 too; written out so the directory says what it holds.
+        config.setdefault("expert_dtype", "fp4")
+    return config
+
+
+def _finish(src: Source, out_dir: Path, target: str, manifest: dict) -> int:
+    """Index, config and the source's other files (tokenizer, generation config); total bytes."""
+    weight_map, total = {}, 0
+    for entry in manifest["shards"].values():
+        weight_map.update(entry["weight_map"])
+        total += sum((out_dir / f).stat().st_size for f in entry["files"])
+    _write_json_atomic(out_dir / INDEX_FILE, {"metadata": {"total_size": total},
+                                              "weight_map": dict(sorted(weight_map.items()))})
+    _write_json_atomic(out_dir / "config.json", _output_config(src, target))
+    for item in sorted(src.path.iterdir()):
+        # Not weights: tokenizer, generation config, license, the model card.
+        if (item.is_file() and item.name not in _SKIP_FILES and item.suffix != ".safetensors"
+                and not item.name.startswith(".")):
+            shutil.copyfile(item, out_dir / item.name)
+    return total
+
+
+def convert(src: Source, out_dir: str | Path, target: str, *, max_shard_bytes: int = 5 << 30,
+            log: Callable[[str], None] = print,
+            on_shard_done: Callable[[str], None] | None = None) -> dict:
+    """Convert `src` into `out_dir` for `target` ('trainer' or 'rollout'); returns the manifest.
+
+    Prints one line per input shard. `on_shard_done(shard)` runs after each shard's manifest
+    entry is saved (tests interrupt the conversion there).
+    """
+    if target not in TARGETS:
+        raise ConvertError(f"target {target!r}, expected one of {', '.join(TARGETS)}")
+    out_dir = Path(out_dir)
+    if out_dir.resolve() == src.path.resolve():
+        raise ConvertError(f"{out_dir}: the output directory is the source directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fingerprint = _fingerprint(src, target)
+    manifest_path = out_dir / MANIFEST
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("fingerprint") != fingerprint:
+            raise ConvertError(f"{manifest_path}: records a conversion of another source or "
+                               f"target ({manifest.get('fingerprint')}); use an empty directory")
+    elif any(out_dir.iterdir()):
+        raise ConvertError(f"{out_dir}: not empty and has no {MANIFEST}; expected an empty or "
+                           "a partly converted directory")
+    else:
+        manifest = {"fingerprint": fingerprint, "shards": {}}
+    for stale in out_dir.glob(".*.tmp"):  # an interrupted write
+        stale.unlink()
+    reader = _Reader(src)
+    n = len(src.shards)
+    for i, shard in enumerate(src.shards, start=1):
+        entry = manifest["shards"].get(shard)
+        if entry is not None and _verified(out_dir, entry, log):
+            log(f"[{i}/{n}] {shard}: converted earlier, sha256 verified")
+            continue
+        t0 = time.monotonic()
+        entry = _convert_shard(src, reader, i, shard, target, out_dir, max_shard_bytes)
+        manifest["shards"][shard] = entry
+        _write_json_atomic(manifest_path, manifest)
+        reader.close()
+        size = sum((out_dir / f).stat().st_size for f in entry["files"]) / 2**30
+        log(f"[{i}/{n}] {shard} -> {', '.join(entry['files'])} ({size:.3f} GiB, "
+            f"{time.monotonic() - t0:.1f} s)")
+        if on_shard_done is not None:
+            on_shard_done(shard)
+    total = _finish(src, out_dir, target, manifest)
+    log(f"{target}: {out_dir} complete, {n} input shards, {total / 2**30:.3f} GiB")
+    return manifest
