@@ -527,9 +527,10 @@ class PlanConfig:
     param_offload: Literal["none", "cpu"] = "none"
     """DeepSpeed `offload_param` (ZeRO-3 only): the bf16 parameter partition lives in host RAM."""
     attention_kernel: Literal["auto", "eager", "fused"] = "auto"
-    """The trainer's attention kernel for the activation estimate. `auto`: what transformers runs
-    (eager for deepseek_v4, whose (heads x S x S) scores are counted; SDPA otherwise). `fused`:
-    an O(S)-memory kernel (flash-style)."""
+    """The trainer's attention for the activation estimate, by the rule `load_model` applies
+    (`rl.models.attention`). `auto` / `fused`: O(S) memory (SDPA; for deepseek_v4 the trainer's
+    default `rl.models.v4_attention`). `eager`: transformers' eager deepseek_v4 attention, whose
+    (heads x S x S) scores are counted."""
     overhead_gb: float = 5.0
     """Per-GPU memory outside the estimate: CUDA context, NCCL buffers, allocator slack; on the
     rollout side also vLLM's profiled activation peak and CUDA graphs."""
