@@ -97,12 +97,23 @@ def v4_attention_fwd(q_BHSD, kv_BSD, comp_BTD, topk_BSK, thr_BS, valid_BS, sinks
     out = torch.empty(B, S, H, D, dtype=q_BHSD.dtype, device=q_BHSD.device).transpose(1, 2)
     dv = dv or min(D, 256)
     grid = (S, B * (D // dv))
-    _v4_attn_fwd[grid](
-        q_BHSD, kv, comp, topk, thr, valid, sinks_H.float().contiguous(), out,
-        S, T, H, topk.shape[-1] if mode == 1 else 0, window, scale,
-        q_BHSD.stride(0), q_BHSD.stride(1), q_BHSD.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        MODE=mode, HAS_VALID=valid_BS is not None, D=D, DV=dv,
-        BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_N=block_n,
-        num_warps=8 if dv >= 256 else 4, num_stages=2)
-    return out
+    args = (q_BHSD, kv, comp, topk, thr, valid, sinks_H.float().contiguous(), out,
+            S, T, H, topk.shape[-1] if mode == 1 else 0, window, scale,
+            q_BHSD.stride(0), q_BHSD.stride(1), q_BHSD.stride(2),
+            out.stride(0), out.stride(1), out.stride(2))
+    meta = dict(MODE=mode, HAS_VALID=valid_BS is not None, D=D, DV=dv,
+                BLOCK_H=max(16, triton.next_power_of_2(H)), num_warps=8 if dv >= 256 else 4)
+    # Tiles of head_dim 512 press on shared memory: fall back to smaller ones if a config
+    # does not fit, and remember the first that did.
+    key = (D, dv, meta["BLOCK_H"])
+    for bn, stages in _TILES.get(key, [(block_n, 2), (32, 2), (32, 1), (16, 1)]):
+        try:
+            _v4_attn_fwd[grid](*args, BLOCK_N=bn, num_stages=stages, **meta)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        _TILES[key] = [(bn, stages)]
+        return out
+    raise RuntimeError(f"no Triton tile config fits head_dim {D}")
+
+
+_TILES: dict[tuple, list[tuple[int, int]]] = {}
