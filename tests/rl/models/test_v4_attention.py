@@ -1,5 +1,9 @@
 """rl.models.v4_attention against transformers' eager DeepSeek-V4 attention, on CPU in fp32."""
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +14,8 @@ from rl.models.loading import load_model
 from rl.models.v4_attention import install
 from rl.models.v4_attention.chunked import v4_attention
 from rl.models.v4_attention.module import LinearV4Attention
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -110,15 +116,22 @@ def test_load_model_runs_linear_attention_for_v4_by_default(preset_dirs):
     assert eager.config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("mode", ["csa", "hca", "sliding"])
-def test_triton_path_matches_chunked_path(mode, monkeypatch):
-    # The GPU path (Triton forward + per-block recompute backward) in Triton's CPU interpreter.
-    import importlib
+def test_triton_path_matches_chunked_path():
+    # The GPU path (Triton forward + per-block recompute backward) in Triton's CPU interpreter,
+    # in a fresh process: the interpreter must be on before anything imports triton.
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    code = "from tests.rl.models.test_v4_attention import triton_case; triton_case()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, timeout=900,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["csa", "hca", "sliding"]
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from rl.models.v4_attention import kernel, triton_fwd
-    importlib.reload(triton_fwd)  # the interpreter is chosen when the kernel is decorated
-    monkeypatch.setattr("rl.models.v4_attention.chunked.QUERY_BLOCK", 8)
+
+def triton_case():
+    from rl.models.v4_attention import chunked, kernel
+
+    chunked.QUERY_BLOCK = 8
     B, H, S, D, T, K = 2, 4, 29, 32, 7, 3
     g = torch.Generator().manual_seed(4)
     thr = ((torch.arange(S) + 1) // 4).expand(B, -1)
@@ -126,21 +139,23 @@ def test_triton_path_matches_chunked_path(mode, monkeypatch):
     topk = torch.where(topk >= thr[..., None], -1, topk)
     valid = torch.ones(B, S, dtype=torch.bool)
     valid[1, 22:] = False
-    results = []
-    for impl in ("torch", "triton"):
-        monkeypatch.setattr(kernel, "FORCE", impl)
-        gen = torch.Generator().manual_seed(5)
-        q = torch.randn(B, S, H, D, generator=gen).transpose(1, 2).requires_grad_()
-        kv = torch.randn(B, S, D, generator=gen, requires_grad=True)
-        comp = torch.randn(B, T, D, generator=gen, requires_grad=True)
-        sinks = torch.randn(H, generator=gen, requires_grad=True)
-        out = kernel.attention(q, kv, None if mode == "sliding" else comp,
-                               topk if mode == "csa" else None, thr if mode == "hca" else None,
-                               valid, sinks, 0.3, 6)
-        (out * torch.linspace(-1, 1, D)).sum().backward()
-        results.append([out.detach(), q.grad, kv.grad, comp.grad, sinks.grad])
-    for want, got in zip(*results):
-        if want is None:
-            assert got is None and mode == "sliding"
-        else:
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for mode in ("csa", "hca", "sliding"):
+        results = []
+        for impl in ("torch", "triton"):
+            kernel.FORCE = impl
+            gen = torch.Generator().manual_seed(5)
+            q = torch.randn(B, S, H, D, generator=gen).transpose(1, 2).requires_grad_()
+            kv = torch.randn(B, S, D, generator=gen, requires_grad=True)
+            comp = torch.randn(B, T, D, generator=gen, requires_grad=True)
+            sinks = torch.randn(H, generator=gen, requires_grad=True)
+            out = kernel.attention(q, kv, None if mode == "sliding" else comp,
+                                   topk if mode == "csa" else None,
+                                   thr if mode == "hca" else None, valid, sinks, 0.3, 6)
+            (out * torch.linspace(-1, 1, D)).sum().backward()
+            results.append([out.detach(), q.grad, kv.grad, comp.grad, sinks.grad])
+        for want, got in zip(*results):
+            if want is None:
+                assert got is None and mode == "sliding"
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        print(mode)
