@@ -169,7 +169,7 @@ def main() -> None:
              "allocated before (weights, gradients, input)",
              "triton = rl.models.v4_attention on GPU (Triton forward, backward recomputing each "
              "query block in torch); torch = its chunked CPU path run on the GPU"] + targets(rows)
-    write_results("v4_attention", args.out, info, rows,
+    write_results("v4_attention_smoke" if args.smoke else "v4_attention", args.out, info, rows,
                   ["tokens", "impl", "result", "peak_gib", "seconds"], notes)
 
 
