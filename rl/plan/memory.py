@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 from rl.config import Config
+from rl.models.attention import EAGER_ONLY, attention_kernel
 from rl.plan import activations
 from rl.plan.arch import Arch, fp8_bytes, fp8_eligible
 from rl.plan.kv import KVLayout, kv_layout
@@ -166,8 +167,8 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
 
     seq = sequence_length(cfg)
     tokens = max(t.micro_batch_tokens, seq)
-    eager = t.attention_kernel == "eager" or (t.attention_kernel == "auto"
-                                              and arch.model_type == "deepseek_v4")
+    # The rule load_model applies, so the plan counts the attention the trainer really runs.
+    eager = attention_kernel(arch.model_type, t.attention_kernel) == "eager"
     act = activations.estimate(arch, tokens, seq, t.activation_checkpointing, eager,
                                cfg.algorithm.entropy_coef > 0, elem_bytes=w)
     ckpt = "checkpointed" if t.activation_checkpointing else "no checkpointing"
@@ -194,11 +195,11 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
     ]
     notes = []
     if eager:
-        notes.append(f"attention: eager (transformers' {arch.model_type} has no fused kernel); "
-                     "set trainer.attention_kernel: fused only if the trainer runs one")
-    elif t.attention_kernel == "fused" and arch.model_type == "deepseek_v4":
-        notes.append("ASSUMPTION: a fused (O(S) memory) DeepSeek-V4 attention kernel in the "
-                     "trainer; transformers' V4 is eager-only")
+        notes.append(f"attention: transformers' eager {arch.model_type} attention "
+                     "(trainer.attention_kernel=eager); auto runs rl.models.v4_attention, O(S) memory")
+    elif arch.model_type in EAGER_ONLY:
+        notes.append("attention: rl.models.v4_attention, O(S) memory, the trainer's default for "
+                     f"{arch.model_type} (measured: bench/results/v4_attention.md)")
     if not on_gpu:  # CPU run: everything sits in host memory of the one machine
         for ln in lines:
             ln.host, ln.gpu = ln.host + ln.gpu * per_node, 0.0

@@ -171,7 +171,8 @@ class TrainerWorker:
 
     def _load(self, model_dir: str, device: torch.device):
         from rl.models.loading import load_model
-        return load_model(model_dir, dtype=self.dtype, device=device)
+        return load_model(model_dir, dtype=self.dtype, device=device,
+                          attention=self.cfg.attention_kernel)
 
     # ---- log-probs -----------------------------------------------------------------------
     def _forward_logprobs(self, model, mb: Micro, with_entropy: bool):

@@ -40,7 +40,7 @@ def test_bf16_load_keeps_integer_buffers(preset_dirs):
     assert model.lm_head.weight.dtype == torch.bfloat16
     (tid2eid,) = [b for n, b in model.named_buffers() if n.endswith("tid2eid")]
     assert not tid2eid.is_floating_point()
-    assert model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == "linear_v4"  # rl.models.v4_attention
     assert not model.training
 
 

@@ -68,9 +68,14 @@ def test_activation_checkpointing_and_eager_scores(v4_flash):
     ckpt = plan_trainer(gpu_cfg(*base, "trainer.attention_kernel=fused",
                                 "trainer.activation_checkpointing=true"), v4_flash)
     assert line(ckpt, "activations: decoder").gpu < line(full, "activations: decoder").gpu / 10
-    eager = plan_trainer(gpu_cfg(*base, "trainer.activation_checkpointing=true"), v4_flash)
+    eager = plan_trainer(gpu_cfg(*base, "trainer.activation_checkpointing=true",
+                                 "trainer.attention_kernel=eager"), v4_flash)
     # one layer's scores: 64 heads x 4096 x (4096 + 4096/4) x (2 B kept + 4 B fp32 softmax)
     assert line(eager, "activations: eager").gpu == 64 * 4096 * 5120 * 6
+    # auto is what load_model runs for V4: rl.models.v4_attention, no score matrix
+    auto = plan_trainer(gpu_cfg(*base, "trainer.activation_checkpointing=true"), v4_flash)
+    assert not any(ln.label.startswith("activations: eager") for ln in auto.lines)
+    assert any("rl.models.v4_attention" in n for n in auto.notes)
 
 
 def test_rollout_weights_and_kv_room(qwen3_8b):

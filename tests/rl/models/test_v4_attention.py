@@ -1,0 +1,161 @@
+"""rl.models.v4_attention against transformers' eager DeepSeek-V4 attention, on CPU in fp32."""
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4ForCausalLM
+
+from rl.models.hf_classes import transformers_classes
+from rl.models.loading import load_model
+from rl.models.v4_attention import install
+from rl.models.v4_attention.chunked import v4_attention
+from rl.models.v4_attention.module import LinearV4Attention
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def eager_model():
+    # Small dims so the test is fast; one layer of each kind, windows that several query blocks
+    # cross (block 16 < S), an HCA rate with several entries, padding in the second row.
+    config_cls, _ = transformers_classes("deepseek_v4")
+    cfg = config_cls(
+        vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, q_lora_rank=16, qk_rope_head_dim=8,
+        moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        o_groups=2, o_lora_rank=8, index_n_heads=8, index_head_dim=16, index_topk=3,
+        layer_types=["sliding_attention", "compressed_sparse_attention",
+                     "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        mlp_layer_types=["moe", "moe", "moe"], sliding_window=6, hc_mult=2,
+        hc_sinkhorn_iters=3, max_position_embeddings=256, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = DeepseekV4ForCausalLM(cfg).float()
+    with torch.no_grad():  # init leaves sinks / position biases at 0: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "position_bias")):
+                p.normal_(0, 1.0)
+    return model.train()
+
+
+def _loss_and_grads(model, ids, mask):
+    model.zero_grad()
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    loss = (logits.log_softmax(-1)[..., 1:, :].gather(-1, ids[:, 1:, None])[..., 0]
+            * mask[:, 1:]).sum()
+    loss.backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_model_matches_eager_outputs_and_gradients(eager_model, monkeypatch):
+    monkeypatch.setattr("rl.models.v4_attention.chunked.QUERY_BLOCK", 16)
+    monkeypatch.setattr("rl.models.v4_attention.compress.INDEXER_BLOCK", 16)
+    linear = copy.deepcopy(eager_model)
+    assert install(linear) == 3
+    torch.manual_seed(1)
+    ids = torch.randint(1, 64, (2, 57))
+    mask = torch.ones(2, 57, dtype=torch.long)
+    mask[1, 41:] = 0
+    ref_logits, ref_grads = _loss_and_grads(eager_model, ids, mask)
+    logits, grads = _loss_and_grads(linear, ids, mask)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    scale = max(g.abs().max() for g in ref_grads.values() if g is not None)
+    checked = set()
+    for name, ref in ref_grads.items():
+        got = grads[name]
+        assert (got is None) == (ref is None), name
+        if ref is not None:
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5 * scale, msg=name)
+            checked.add(name)
+    # gradients reach the sinks, q / kv projections and both compressors (CSA in layer 1, HCA
+    # in 2); the indexer gets none in eager either (its output is a top-k index)
+    for layer in (1, 2):
+        for part in ("sinks", "q_b_proj.weight", "kv_proj.weight", "compressor.kv_proj.weight",
+                     "compressor.gate_proj.weight", "compressor.position_bias"):
+            name = f"model.layers.{layer}.self_attn.{part}"
+            assert name in checked and ref_grads[name].abs().max() > 0, name
+    assert grads["model.layers.1.self_attn.compressor.indexer.q_b_proj.weight"] is None
+
+
+def test_generation_with_cache_matches_eager(eager_model):
+    linear = copy.deepcopy(eager_model).eval()
+    install(linear)
+    ids = torch.randint(1, 64, (1, 20), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = eager_model.eval().generate(ids, **kw)
+    eager_model.train()
+    assert torch.equal(linear.generate(ids, **kw), want)
+
+
+def test_block_attention_masks_window_picks_and_padding():
+    # One query sees: its window (i-2 < j <= i, valid), its CSA picks, and the sink.
+    torch.manual_seed(3)
+    B, H, S, D, T = 1, 2, 5, 4, 3
+    q, kv, comp = torch.randn(B, H, S, D), torch.randn(B, S, D), torch.randn(B, T, D)
+    sinks = torch.randn(H)
+    topk = torch.tensor([[[-1, -1], [-1, -1], [0, -1], [2, 0], [1, -1]]])
+    valid = torch.tensor([[True, False, True, True, True]])
+    out = v4_attention(q, kv, comp, topk, None, valid, sinks, 0.5, window=3, block=2)
+    i = 3  # keys 2, 3 (1 is outside the window... and padding), entries 2 and 0
+    keys = torch.cat([kv[0, 2:4], comp[0, [2, 0]]])
+    logits = torch.cat([q[0, :, i] @ keys.T * 0.5, sinks[:, None]], dim=1)
+    want = logits.softmax(-1)[:, :-1] @ keys
+    torch.testing.assert_close(out[0, :, i], want)
+
+
+def test_load_model_runs_linear_attention_for_v4_by_default(preset_dirs):
+    d = preset_dirs["tiny-deepseek-v4"]
+    kinds = {type(m) for m in load_model(d, torch.float32).modules()}
+    assert LinearV4Attention in kinds
+    eager = load_model(d, torch.float32, attention="eager")
+    assert LinearV4Attention not in {type(m) for m in eager.modules()}
+    assert eager.config._attn_implementation == "eager"
+
+
+def test_triton_path_matches_chunked_path():
+    # The GPU path (Triton forward + per-block recompute backward) in Triton's CPU interpreter,
+    # in a fresh process: the interpreter must be on before anything imports triton.
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    code = "from tests.rl.models.test_v4_attention import triton_case; triton_case()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, timeout=900,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["csa", "hca", "sliding"]
+
+
+def triton_case():
+    from rl.models.v4_attention import chunked, kernel
+
+    chunked.QUERY_BLOCK = 8
+    B, H, S, D, T, K = 2, 4, 29, 32, 7, 3
+    g = torch.Generator().manual_seed(4)
+    thr = ((torch.arange(S) + 1) // 4).expand(B, -1)
+    topk = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(B * S)]).view(B, S, K)
+    topk = torch.where(topk >= thr[..., None], -1, topk)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[1, 22:] = False
+    for mode in ("csa", "hca", "sliding"):
+        results = []
+        for impl in ("torch", "triton"):
+            kernel.FORCE = impl
+            gen = torch.Generator().manual_seed(5)
+            q = torch.randn(B, S, H, D, generator=gen).transpose(1, 2).requires_grad_()
+            kv = torch.randn(B, S, D, generator=gen, requires_grad=True)
+            comp = torch.randn(B, T, D, generator=gen, requires_grad=True)
+            sinks = torch.randn(H, generator=gen, requires_grad=True)
+            out = kernel.attention(q, kv, None if mode == "sliding" else comp,
+                                   topk if mode == "csa" else None,
+                                   thr if mode == "hca" else None, valid, sinks, 0.3, 6)
+            (out * torch.linspace(-1, 1, D)).sum().backward()
+            results.append([out.detach(), q.grad, kv.grad, comp.grad, sinks.grad])
+        for want, got in zip(*results):
+            if want is None:
+                assert got is None and mode == "sliding"
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        print(mode)
