@@ -43,6 +43,8 @@ class SamplingParams:
     """Seed of this call; per-prompt streams derive from it (see the module docstring)."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra tokens that end a response (included in it); the model's EOS ids always stop."""
+    return_routing: bool = False
+    """Also return each sample's MoE routing (`Sample.routing`, `rl.rollout.routing`)."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -79,6 +81,9 @@ class Sample:
     """(first response token, weight version) of each span sampled with one version, when the
     generation was interrupted by a weight update and resumed (`algorithm.partial_rollouts:
     resume`); empty = every token came from `weight_version`."""
+    routing: np.ndarray | None = None
+    """(P + R - 1, layers, top_k) uint8/uint16 expert ids of every input token, when asked for
+    (`SamplingParams.return_routing`; format in `rl.rollout.routing`)."""
 
     @property
     def oldest_version(self) -> int:
