@@ -61,7 +61,8 @@ def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
         ctx.log(0, metrics)
     sampling = SamplingParams(n=cfg.rollout.n_samples, temperature=cfg.rollout.temperature,
                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                              max_new_tokens=cfg.rollout.max_new_tokens, seed=0)
+                              max_new_tokens=cfg.rollout.max_new_tokens, seed=0,
+                              return_routing=cfg.algorithm.routing_replay == "r3")
     pipe = RolloutPipeline(ctx, sampling, ctx.pending, stop)
     bound = cfg.algorithm.max_staleness
     busy_before = ctx.engine_busy_seconds()
@@ -112,6 +113,8 @@ def _loop(ctx: RunContext, stop: StopRequest) -> RunResult:
         train_batch = {"prompt_ids": [s.prompt_ids for s in samples],
                        "response_ids": [s.response_ids for s in samples],
                        "rollout_logprobs": [s.logprobs for s in samples], "advantages": adv}
+        if sampling.return_routing:
+            train_batch["routing"] = [s.routing for s in samples]
         train_stats, old_logprobs = rt.train(train_batch, step)
         t_train = time.perf_counter() - t0
         # the ranks skipped (together) any optimizer step with a non-finite loss or gradient
