@@ -600,6 +600,9 @@ class Config:
         pt = self.algorithm.partial_tokens
         _check(pt is None or pt < self.rollout.max_new_tokens, "algorithm.partial_tokens", pt,
                f"null or a value < rollout.max_new_tokens ({self.rollout.max_new_tokens})")
+        _check(not self.logging.save_routing or self.algorithm.routing_replay == "r3",
+               "logging.save_routing", True, "false unless algorithm.routing_replay is r3 (only "
+               "r3 asks the engines for routing)")
 
     @property
     def run_dir(self) -> Path:
