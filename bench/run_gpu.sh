@@ -2,6 +2,7 @@
 # The GPU session in one script (what produced bench/results/): GPU tests and the three
 # benchmarks on a 2 x H200 machine without DeepSpeed installed (it travels as wheels in .whl/).
 #   bash bench/run_gpu.sh [sections...]      sections: tests_native rollout sync tests_sync train
+#   (r3: routing replay, native FP8 engine vs BF16 trainer model; not in the default list)
 #   (tests_sync_only: the sync test without the RL step)
 # Writes into $OUT (default bench/results): run.log, gpu_report.jsonl, <bench>.json / .md.
 # Each section has its own time limit, so one hang cannot eat the others. GPU tests run with
@@ -48,6 +49,7 @@ for s in $sections; do
         tests_sync_only) run tests_sync_only 240 python3 -m pytest -q -p no:cacheprovider \
             tests/gpu/test_sync_gpu.py ;;
         train) run train 75 python3 -m bench.train --out "$OUT" ;;
+        r3) run routing_replay 240 python3 -m bench.routing_replay --out "$OUT" ;;
         *) echo "unknown section $s" | tee -a "$LOG"; failed+=("$s") ;;
     esac
 done

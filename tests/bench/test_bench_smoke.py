@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, needs", [("rollout", None), ("weight_sync", None),
-                                         ("train", "deepspeed"), ("async_rl", "deepspeed")])
+                                         ("train", "deepspeed"), ("async_rl", "deepspeed"),
+                                         ("routing_replay", None)])
 def test_benchmark_smoke_mode(name, needs, tmp_path):
     if needs:
         pytest.importorskip(needs)
