@@ -40,9 +40,9 @@ def trainer_logprobs(model, samples, routers, replay: bool, rows: int):
         mb = pad_batch([s.prompt_ids for s in chunk], [s.response_ids for s in chunk],
                        routing=[s.routing for s in chunk])
         dev = next(model.parameters()).device
-        with torch.no_grad(), routers.capture(mb.routing, mb.routing_mask) as cap:
-            if not replay:  # record only: the trainer's own routing, compared to the engine's
-                cap.replay = None
+        # Without replay the routers only record: the trainer's own routing, compared below.
+        with torch.no_grad(), routers.capture(mb.routing if replay else None,
+                                              mb.routing_mask if replay else None) as cap:
             logits = model(input_ids=mb.input_ids.to(dev),
                            attention_mask=mb.attention_mask.to(dev)).logits[:, :-1]
         if not replay:

@@ -107,7 +107,6 @@ class VLLMEngine:
         self.eos_ids = read_eos_ids(self.model_dir)
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.weight_version = 0
-        self._moe_layers: list[int] | None = None
 
     # ---- generation --------------------------------------------------------------------
     def _vllm_params(self, sampling: SamplingParams, seed: int):
@@ -154,18 +153,20 @@ class VLLMEngine:
         from rl.models.routing import routing_dtype
         from rl.rollout.routing import routing_rows, split_rows
 
-        if self._moe_layers is None:
-            self._moe_layers = self.llm.collective_rpc("rl_routing_capture", args=(True,))[0]
         seqs = [list(p) + list(r[:-1]) for p, r in zip(prompt_ids, response_ids)]
         lengths = [routing_rows(len(p), len(r)) for p, r in zip(prompt_ids, response_ids)]
         if min(lengths, default=1) < 1:
             raise ValueError("routing: a sample with a 1-token prompt and no response has no rows")
-        self.llm.collective_rpc("rl_routing_take")  # drop anything captured meanwhile
-        params = VSP(max_tokens=1, temperature=0.0, detokenize=False,
-                     skip_reading_prefix_cache=True)
-        self.llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
-        taken = self.llm.collective_rpc("rl_routing_take")[0]
-        routing_TNK = torch.stack([taken[layer] for layer in self._moe_layers], dim=1)
+        # Hooked only for this pass: generation and scoring run without the per-layer copies.
+        layers = self.llm.collective_rpc("rl_routing_capture", args=(True,))[0]
+        try:
+            params = VSP(max_tokens=1, temperature=0.0, detokenize=False,
+                         skip_reading_prefix_cache=True)
+            self.llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
+            taken = self.llm.collective_rpc("rl_routing_take")[0]
+        finally:
+            self.llm.collective_rpc("rl_routing_capture", args=(False,))
+        routing_TNK = torch.stack([taken[layer] for layer in layers], dim=1)
         num_experts = self.llm.llm_engine.model_config.get_num_experts()
         return split_rows(routing_TNK, lengths, routing_dtype(num_experts))
 

@@ -57,6 +57,9 @@ def pad_batch(prompt_ids: list[list[int]], response_ids: list[list[int]],
     routes = route_mask = None
     if routing is not None:
         for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+            if routing[i] is None:
+                raise ValueError(f"sample {i} carries no routing (algorithm.routing_replay r3 "
+                                 "needs it from the engine; was it generated with r3 off?)")
             check_routing(routing[i], len(p), len(r), f"sample {i}")
         routes, route_mask = pad_routing(list(routing), [0] * B, L)
     return Micro(index=list(index) if index is not None else list(range(B)), input_ids=ids,
