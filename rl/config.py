@@ -354,6 +354,11 @@ class AlgorithmConfig:
     partial_tokens: int | None = None
     """Tokens generated with the old weights before a `resume` interrupt; null = half of
     rollout.max_new_tokens."""
+    routing_replay: Literal["off", "r2", "r3", False] = "off"
+    """MoE routing replay in the trainer. `r3`: the engines return the experts they chose for
+    every token and the trainer's old- and new-policy passes use them (gate weights recomputed
+    from the trainer's router logits, so the router still learns); `r2`: the update passes
+    replay the trainer's own routing from its old-policy pass. `off` (YAML's bare off = false)."""
     stale_samples: Literal["drop", "keep"] = "drop"
     """Samples older than max_staleness (e.g. after lowering it on resume): `drop` them from the
     batch (counted in rollout/dropped_samples) or `keep` them (TIS against the stored behaviour
@@ -367,6 +372,8 @@ class AlgorithmConfig:
             _positive(self, "partial_tokens")
         if self.tis_cap is not None:
             _check(self.tis_cap >= 1, "tis_cap", self.tis_cap, "null (off) or a value >= 1")
+        if self.routing_replay is False:
+            self.routing_replay = "off"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -447,6 +454,9 @@ class LoggingConfig:
     print_every: int = 1
     """Print the driver's step line every N steps (evaluation steps and the last step always);
     metrics.jsonl gets every step."""
+    save_routing: bool = False
+    """With algorithm.routing_replay r3: also write each sample's routing (the engine's expert ids,
+    layers x top_k bytes per token) to trajectories.h5."""
     verbose: bool = False
     """Print everything the job's libraries write (vLLM, Ray workers, DeepSpeed, transformers,
     warnings) on the console. Off: the console shows the step lines, progress, the summary and
@@ -664,6 +674,9 @@ class Config:
         pt = self.algorithm.partial_tokens
         _check(pt is None or pt < self.rollout.max_new_tokens, "algorithm.partial_tokens", pt,
                f"null or a value < rollout.max_new_tokens ({self.rollout.max_new_tokens})")
+        _check(not self.logging.save_routing or self.algorithm.routing_replay == "r3",
+               "logging.save_routing", True, "false unless algorithm.routing_replay is r3 (only "
+               "r3 asks the engines for routing)")
 
     @property
     def run_dir(self) -> Path:

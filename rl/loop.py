@@ -128,7 +128,9 @@ class Run:
         self.evaluator = Evaluator(cfg, self.source, self.runtime.rollout, self.publisher)
         self.pipeline = RolloutPipeline(
             cfg, self.source, Generator(self.runtime, self.publisher),
-            SamplingParams.from_rollout(cfg.rollout), stop,
+            SamplingParams.from_rollout(cfg.rollout,
+                                        return_routing=cfg.algorithm.routing_replay == "r3"),
+            stop,
             checkpoint_seconds=lambda: self.checkpointer.last_seconds)
         self.checkpointer = Checkpointer(
             cfg, self.runtime.trainer, [self.state, self.publisher, self.evaluator, self.rewards],
@@ -216,7 +218,8 @@ class Run:
         # 5. train, while the engines generate ahead (a step that has started is finished, then
         #    checkpointed: the trainer ranks cannot be interrupted)
         t0 = time.perf_counter()
-        train_batch = TrainBatch.from_samples(samples, adv)
+        train_batch = TrainBatch.from_samples(
+            samples, adv, routing=cfg.algorithm.routing_replay == "r3")
         train_stats, old_logprobs = self.runtime.trainer.train(train_batch, step)
         t_train = time.perf_counter() - t0
         # the ranks skipped (together) any optimizer step with a non-finite loss or gradient

@@ -258,4 +258,5 @@ class RolloutPipeline:
                 text=decode_response(tokenizer, tokens, new.finish_reason),
                 logprobs=old.logprobs + new.logprobs, finish_reason=new.finish_reason,
                 weight_version=new.weight_version,
-                version_spans=old.spans() + [(len(old.response_ids), new.weight_version)])
+                version_spans=old.spans() + [(len(old.response_ids), new.weight_version)],
+                routing=new.routing)  # the resuming call re-ran the whole prefix

@@ -83,7 +83,9 @@ class Recorder:
                 rollout_logprobs=[s.logprobs for s in samples], reward=parts.total,
                 advantage=advantages, finish_reason=[s.finish_reason for s in samples],
                 old_logprobs=old_logprobs, version_spans=[s.spans() for s in samples],
-                staleness=lags)
+                staleness=lags,
+                routing=[s.routing for s in samples] if self.cfg.logging.save_routing
+                and all(s.routing is not None for s in samples) else None)
         last = step == self.cfg.num_steps
         if step % self.cfg.logging.print_every == 0 or last or "eval/pass1" in metrics:
             say(format_step(self.cfg, step, metrics))

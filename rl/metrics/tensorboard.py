@@ -60,6 +60,21 @@ METRIC_TAGS: dict[str, str] = {
     "train/tis_ratio_max": "Max TIS ratio before the cap (rollout/trainer mismatch outliers).",
     "train/tis_ratio_min": "Min TIS ratio.",
     "train/tis_capped_frac": "Fraction of tokens whose TIS ratio exceeded algorithm.tis_cap.",
+    "rollout/routing_agreement": (
+        "With algorithm.routing_replay r3: fraction of the engine's (token, layer, expert) "
+        "choices that the trainer's own routers also make (old-policy pass, before replay)."),
+    "train/routing_agreement": (
+        "With algorithm.routing_replay r2: fraction of the old-policy pass's expert choices "
+        "that the update passes' own routers also make."),
+    "train/rollout_logp_absdiff": (
+        "With r3: mean abs(logp_trainer_old - logp_rollout) over response tokens, replaying "
+        "the engine's routing."),
+    "train/noreplay_rollout_logp_absdiff": (
+        "With r3: the same without replay (one extra forward per micro-batch)."),
+    "train/noreplay_tis_ratio_mean": (
+        "With r3 and TIS: train/tis_ratio_mean as it would be without replay."),
+    "train/noreplay_tis_capped_frac": (
+        "With r3 and TIS: train/tis_capped_frac as it would be without replay."),
     "train/grad_norm": "Gradient L2 norm before clipping (mean over the step's applied optimizer steps).",
     "train/skipped": "Optimizer steps of this step skipped on every rank for a non-finite loss or "
                      "gradient (no update, LR schedule not advanced).",

@@ -26,6 +26,10 @@ are appended in step order.
 | `advantage`        | float32       | GRPO advantage used in the loss                              |
 | `finish_reason`    | uint8         | index into the file attribute `finish_reasons`               |
 
+Optional (`logging.save_routing` with `algorithm.routing_replay: r3`): `routing`, vlen
+uint8/uint16, each sample's routing (`rl.rollout.routing`) flattened; its attributes `layers` and
+`top_k` give the row shape. Rows appended without routing hold an empty array.
+
 File attributes: `schema_version` (int, 2), `finish_reasons` (JSON list: "stop", "length",
 "abort", "other"), `created_unix` (float, seconds).
 
@@ -141,7 +145,8 @@ class TrajectoryWriter:
                old_logprobs: Sequence[Sequence[float]] | None = None,
                sample_index: Sequence[int] | None = None,
                version_spans: Sequence[Sequence[tuple[int, int]]] | None = None,
-               staleness: Sequence[int] | None = None) -> int:
+               staleness: Sequence[int] | None = None,
+               routing: Sequence[np.ndarray] | None = None) -> int:
         """Append one batch of n samples (every sequence argument has length n); returns the
         number of rows in the file afterwards.
 
@@ -204,7 +209,17 @@ class TrajectoryWriter:
                 raise ValueError(f"trajectory batch: step {step} is older than the file's last step "
                                  f"{int(f['step'][start - 1])} (truncate the file when resuming)")
             # The step column is resized last: a row counts only once every column holds it.
-            for name in [*_VLEN_COLUMNS, *(c for c in _SCALAR_COLUMNS if c != "step"), "step"]:
+            if routing is not None and "routing" not in f:
+                ds = f.create_dataset("routing", shape=(start,), maxshape=(None,),
+                                      dtype=h5py.vlen_dtype(routing[0].dtype),
+                                      chunks=(_VLEN_CHUNK,))
+                ds.attrs["layers"], ds.attrs["top_k"] = routing[0].shape[1:]
+            if "routing" in f:
+                data["routing"] = _vlen_array([[]] * n if routing is None else routing,
+                                              f["routing"].dtype.metadata["vlen"])
+            optional = ["routing"] if "routing" in f else []
+            for name in [*_VLEN_COLUMNS, *optional,
+                         *(c for c in _SCALAR_COLUMNS if c != "step"), "step"]:
                 ds = f[name]
                 ds.resize((start + n,))
                 _write(ds, data[name], start)
@@ -226,7 +241,8 @@ class TrajectoryWriter:
                 return 0
             n_keep = int(keep.sum())
             is_prefix = bool(keep[:n_keep].all())
-            for name in [*_SCALAR_COLUMNS, *_VLEN_COLUMNS]:
+            optional = ["routing"] if "routing" in f else []
+            for name in [*_SCALAR_COLUMNS, *_VLEN_COLUMNS, *optional]:
                 ds = f[name]
                 if not is_prefix:  # rows out of step order (should not happen): compact them
                     _write(ds, ds[: len(steps)][keep], 0)
@@ -290,6 +306,10 @@ class TrajectoryReader:
             out[name] = np.asarray(self._file[name][i])
         out["finish_reason"] = self.finish_reasons[out["finish_reason"]]
         out["version_spans"] = out["version_spans"].reshape(-1, 2)
+        if "routing" in self._file:
+            ds = self._file["routing"]
+            out["routing"] = np.asarray(ds[i]).reshape(-1, int(ds.attrs["layers"]),
+                                                       int(ds.attrs["top_k"]))
         return out
 
     def step_summaries(self) -> list[StepSummary]:

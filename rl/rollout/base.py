@@ -46,12 +46,15 @@ class SamplingParams:
     """Seed of this call; per-prompt streams derive from it (see the module docstring)."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra tokens that end a response (included in it); the model's EOS ids always stop."""
+    return_routing: bool = False
+    """Also return each sample's MoE routing (`Sample.routing`, `rl.rollout.routing`)."""
 
     @classmethod
-    def from_rollout(cls, cfg: RolloutConfig, seed: int = 0) -> SamplingParams:
+    def from_rollout(cls, cfg: RolloutConfig, seed: int = 0, return_routing: bool = False
+                     ) -> SamplingParams:
         """The rollouts' sampling, as `rollout.` configures it (n = n_samples)."""
         return cls(n=cfg.n_samples, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                   max_new_tokens=cfg.max_new_tokens, seed=seed)
+                   max_new_tokens=cfg.max_new_tokens, seed=seed, return_routing=return_routing)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -88,6 +91,9 @@ class Sample:
     """(first response token, weight version) of each span sampled with one version, when the
     generation was interrupted by a weight update and resumed (`algorithm.partial_rollouts:
     resume`); empty = every token came from `weight_version`."""
+    routing: np.ndarray | None = None
+    """(P + R - 1, layers, top_k) uint8/uint16 expert ids of every input token, when asked for
+    (`SamplingParams.return_routing`; format in `rl.rollout.routing`)."""
 
     @property
     def oldest_version(self) -> int:

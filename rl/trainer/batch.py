@@ -22,6 +22,10 @@ class TrainBatch:
     # Each is None when the run does not produce it, else N per-token lists aligned with
     # response_ids. Declare it here with a None default and list its name in PER_TOKEN_EXTRAS:
     # the lengths are then checked like rollout_logprobs'.
+    routing: list | None = None
+    """Routing replay (r3): per sample the rollout engine's expert ids, (prompt + response - 1,
+    layers, top_k) uint8/uint16 (`rl.rollout.routing`); it covers prompt positions too, so it is
+    not a per-token extra: `rl.rollout.routing.check_routing` checks its shape per sample."""
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -43,11 +47,12 @@ class TrainBatch:
         return len(self.prompt_ids)
 
     @classmethod
-    def from_samples(cls, samples, advantages: list[float]) -> TrainBatch:
-        """From rollout `Sample`s (rl.rollout.base), in batch order."""
+    def from_samples(cls, samples, advantages: list[float], routing: bool = False) -> TrainBatch:
+        """From rollout `Sample`s (rl.rollout.base), in batch order; `routing`: carry theirs."""
         return cls(prompt_ids=[s.prompt_ids for s in samples],
                    response_ids=[s.response_ids for s in samples],
-                   rollout_logprobs=[s.logprobs for s in samples], advantages=list(advantages))
+                   rollout_logprobs=[s.logprobs for s in samples], advantages=list(advantages),
+                   routing=[s.routing for s in samples] if routing else None)
 
     def lengths(self) -> list[int]:
         """Prompt + response tokens of each sample."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rl.rollout.routing import check_routing, pad_routing
 from rl.trainer.batch import TrainBatch
 
 PAD_ID = 0
@@ -28,10 +29,16 @@ class Micro:
     """(B, L) float32: the rollout engine's log-prob of each response token, 0 elsewhere."""
     weight: float = 1.0
     """0 for padding micro-batches that only keep ZeRO's collectives in step."""
+    routing: torch.Tensor | None = None
+    """(B, L, layers, K) int64 expert ids the rollout engine chose (`rl.rollout.routing`), zeros
+    where it reported none; None when the batch carries no routing."""
+    routing_mask: torch.Tensor | None = None
+    """(B, L) bool: the positions `routing` covers (prompt + response but the last token)."""
 
 
 def pad_batch(prompt_ids: list[list[int]], response_ids: list[list[int]],
-              rollout_logprobs: list[list[float]] | None = None, index: list[int] | None = None) -> Micro:
+              rollout_logprobs: list[list[float]] | None = None, index: list[int] | None = None,
+              routing: list | None = None) -> Micro:
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
     B, L = len(lengths), max(lengths)
     ids = torch.full((B, L), PAD_ID, dtype=torch.long)
@@ -48,8 +55,17 @@ def pad_batch(prompt_ids: list[list[int]], response_ids: list[list[int]],
             if len(lp) != len(r):
                 raise ValueError(f"sample {i}: {len(lp)} rollout log-probs for {len(r)} response tokens")
             rlp[i, len(p):n] = torch.tensor(lp, dtype=torch.float32)
+    routes = route_mask = None
+    if routing is not None:
+        for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+            if routing[i] is None:
+                raise ValueError(f"sample {i} carries no routing (algorithm.routing_replay r3 "
+                                 "needs it from the engine; was it generated with r3 off?)")
+            check_routing(routing[i], len(p), len(r), f"sample {i}")
+        routes, route_mask = pad_routing(list(routing), [0] * B, L)
     return Micro(index=list(index) if index is not None else list(range(B)), input_ids=ids,
-                 attention_mask=attn, resp_mask=resp, rollout_logp=rlp)
+                 attention_mask=attn, resp_mask=resp, rollout_logp=rlp, routing=routes,
+                 routing_mask=route_mask)
 
 
 def split_by_budget(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
@@ -75,18 +91,22 @@ def micro_batches(batch: TrainBatch, mine: list[int], budget: int, world_size: i
     n, lengths = len(batch), batch.lengths()
     counts = [len(split_by_budget(list(range(r, n, world_size)), lengths, budget))
               for r in range(world_size)]
+    routing = batch.routing
     out = []
     for group in split_by_budget(mine, lengths, budget):
         out.append(pad_batch([batch.prompt_ids[i] for i in group],
                              [batch.response_ids[i] for i in group],
-                             [batch.rollout_logprobs[i] for i in group], index=group))
+                             [batch.rollout_logprobs[i] for i in group], index=group,
+                             routing=[routing[i] for i in group] if routing else None))
     if not out:  # fewer samples than ranks: still take part in the collectives
         out.append(pad_batch([batch.prompt_ids[0]], [batch.response_ids[0]],
-                             [batch.rollout_logprobs[0]], index=[0]))
+                             [batch.rollout_logprobs[0]], index=[0],
+                             routing=routing[:1] if routing else None))
         out[0].weight = 0.0
     while len(out) < max(counts):
         filler = out[0]
         out.append(Micro(index=filler.index, input_ids=filler.input_ids,
                          attention_mask=filler.attention_mask, resp_mask=filler.resp_mask,
-                         rollout_logp=filler.rollout_logp, weight=0.0))
+                         rollout_logp=filler.rollout_logp, weight=0.0, routing=filler.routing,
+                         routing_mask=filler.routing_mask))
     return out

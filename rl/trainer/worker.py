@@ -4,14 +4,14 @@ A plain class: Ray hosts N of them as actors (rl/cluster/groups.py); on a machin
 same class runs in plain processes. Every public method that touches parameters is a collective
 under ZeRO: the driver must call it on all ranks with the same arguments.
 
-Batch layout (a dict the driver builds, identical on every rank):
-  prompt_ids: list[list[int]], response_ids: list[list[int]], rollout_logprobs: list[list[float]],
-  advantages: list[float].
+The batch is a `rl.trainer.batch.TrainBatch` the driver builds, identical on every rank (its
+`routing` only with `algorithm.routing_replay: r3`, format in rl/rollout/routing.py).
 Each rank trains on its strided shard (sample i goes to rank i % world_size); all ranks run the
 same number of micro-batches (short ranks pad with zero-weight ones) so ZeRO's collectives match.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -110,6 +110,10 @@ class TrainerWorker:
         self.sender = WeightSender(self.engine.module, zero_stage=cfg.zero_stage,
                                    is_sender=self.rank == 0, sync=sync, device=self.device)
         self.optimizer_steps = 0
+        self.replay = None
+        if algo.routing_replay != "off":
+            from rl.trainer.replay import TrainerReplay
+            self.replay = TrainerReplay(self.engine.module, algo.routing_replay, algo.tis_cap)
 
     # ---- setup -------------------------------------------------------------------------
     def _pick_device(self) -> torch.device:
@@ -208,8 +212,14 @@ class TrainerWorker:
         old_logp, ref_logp = {}, {}
         self.engine.module.eval()
         with torch.no_grad():
+            if self.replay is not None:
+                self.replay.reset()
             for mb in mbs:
-                old_logp[id(mb)], _ = self._forward_logprobs(self.engine.module, mb, False)
+                if self.replay is not None:
+                    old_logp[id(mb)] = self.replay.old_pass(
+                        lambda: self._forward_logprobs(self.engine.module, mb, False)[0], mb)
+                else:
+                    old_logp[id(mb)], _ = self._forward_logprobs(self.engine.module, mb, False)
                 if self.ref_model is not None:
                     ref_logp[id(mb)], _ = self._forward_logprobs(self.ref_model, mb, False)
         self.engine.module.train()
@@ -240,6 +250,11 @@ class TrainerWorker:
                 denom = self._global_denominator(group)
                 finite = True
                 for j, mb in enumerate(group):
+                    # Replay spans forward and backward (activation checkpointing re-runs the
+                    # forward inside backward).
+                    replaying = contextlib.ExitStack()
+                    if self.replay is not None:
+                        replaying.enter_context(self.replay.update_pass(mb))
                     # Through the engine (not engine.module): DeepSpeed's forward advances ZeRO-3's
                     # micro-step, without which each micro-batch overwrites the last one's grads.
                     logp, ent = self._forward_logprobs(self.engine, mb,
@@ -258,6 +273,7 @@ class TrainerWorker:
                     finite = finite and bool(torch.isfinite(loss))
                     # DeepSpeed averages gradients over ranks; the denominator is already global.
                     self.engine.backward(loss * mb.weight * self.world_size)
+                    replaying.close()
                     if mb.weight > 0:
                         for k, v in st.items():
                             if k.endswith("_max"):
@@ -305,6 +321,13 @@ class TrainerWorker:
         out["train/skipped"] = float(skipped)
         """Optimizer steps skipped (non-finite loss or gradients), the same on every rank."""
         out["train/lr"] = float(self.engine.get_lr()[0])
+        if self.replay is not None:
+            from rl.trainer.replay import reduce_stats
+            local = self.replay.stats()
+            keys = sorted(local)
+            t = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)
+            out.update(reduce_stats(dict(zip(keys, t.tolist())), self.replay.mode))
         out["old_logprobs"] = old_by_sample
         return out
 

@@ -35,6 +35,8 @@ from rl.rollout.native.kernels import triton_available
 from rl.rollout.native.model import NativeQwen3, Shape
 from rl.rollout.native.sampling import sample_tokens
 from rl.rollout.native.weights import IncompleteWeightsError
+from rl.rollout.routing import routing_rows
+from rl.models.routing import routing_dtype
 from rl.rollout.weights import StreamStats, pair_wire, receive_stream
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ class _Graph:
         # thread_local: an NCCL watchdog thread (weight-sync group) may poll events meanwhile.
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.logits = model.decode_step(self.tokens, self.start, self.pos)
+        self.routes = dict(model.routes)  # the graph's static outputs, rewritten by each replay
 
     def __call__(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         self.tokens.copy_(tokens)
@@ -146,7 +149,7 @@ class NativeEngine:
         gen = None
         if not sampling.greedy:
             gen = torch.Generator(self.device).manual_seed(sampling.seed)
-        out: list[tuple[list[int], list[float]]] = []
+        out: list[tuple[list[int], list[float], torch.Tensor | None]] = []
         for c in range(0, len(rows), self.cfg.max_batch_size):
             out += self._generate_chunk(rows[c:c + self.cfg.max_batch_size], sampling, stop_t, gen)
         stop_set = set(stop_ids)
@@ -154,11 +157,15 @@ class NativeEngine:
         for i, p in enumerate(prompt_ids):
             group = []
             for k in range(sampling.n):
-                tokens, lps = out[i * draws + (0 if sampling.greedy else k)]
+                tokens, lps, routed = out[i * draws + (0 if sampling.greedy else k)]
                 tokens, reason = cut_at_stop(tokens, stop_set)
+                if routed is not None:
+                    routed = routed[:routing_rows(len(p), len(tokens))].numpy().astype(
+                        routing_dtype(self.shape.num_experts))
                 group.append(Sample(prompt_ids=list(p), response_ids=tokens,
                                     text=self._decode(tokens, reason), logprobs=lps[:len(tokens)],
-                                    finish_reason=reason, weight_version=self.weight_version))
+                                    finish_reason=reason, weight_version=self.weight_version,
+                                    routing=routed))
             groups.append(group)
         return groups
 
@@ -170,17 +177,17 @@ class NativeEngine:
                     self._pool = torch.cuda.graph_pool_handle()
                 self._graphs[rows] = _Graph(model, rows, self._pool)
             graph = self._graphs[rows]
-            return graph, graph.start
+            return graph, graph.start, lambda: graph.routes
         pos_t = torch.zeros(1, dtype=torch.int32, device=self.device)
         start = torch.zeros(rows, dtype=torch.int32, device=self.device)
 
         def step(tokens: torch.Tensor, pos: int) -> torch.Tensor:
             pos_t.fill_(pos)
             return model.decode_step(tokens, start, pos_t)
-        return step, start
+        return step, start, lambda: model.routes
 
     def _generate_chunk(self, rows: list[list[int]], sp: SamplingParams, stop_t: torch.Tensor,
-                        gen: torch.Generator | None) -> list[tuple[list[int], list[float]]]:
+                        gen: torch.Generator | None) -> list[tuple[list[int], list[float], object]]:
         n = len(rows)
         bb = _bucket(n, self.cfg.max_batch_size)
         rows = rows + [rows[0]] * (bb - n)  # bucket padding: copies, ignored afterwards
@@ -189,7 +196,7 @@ class NativeEngine:
             # whose graphs are all gone trips an allocator assert (seen on torch 2.11).
             self._graphs.clear()
             self._pool = None
-        step, start = self._decoder(bb)     # captured before prefill fills the cache
+        step, start, routes = self._decoder(bb)     # captured before prefill fills the cache
         width = max(len(r) for r in rows)
         ids = torch.full((bb, width), self.pad_id, dtype=torch.long)
         for i, r in enumerate(rows):
@@ -197,6 +204,13 @@ class NativeEngine:
         start.copy_(torch.tensor([width - len(r) for r in rows], dtype=torch.int32))
         ids = ids.to(self.device)
         h = self.model.prefill(ids, start, write_cache=True)[:, -1]
+        moe = [i for i in range(self.shape.layers) if self.shape.is_moe[i]]
+        want = sp.return_routing and bool(moe)
+        # Routing of the prompt (prefill) and of each decode step's input token (R - 1 of them).
+        rows_NK = (lambda r: torch.stack([r[i] for i in moe], 1).view(bb, -1, len(moe),
+                                                                       self.shape.top_k))
+        pre = rows_NK(self.model.routes) if want else None
+        dec = []
         tok, lp = sample_tokens(self.model.logits(h), sp, gen)
         toks = torch.empty(bb, sp.max_new_tokens, dtype=torch.long, device=self.device)
         lps = torch.empty(bb, sp.max_new_tokens, dtype=torch.float32, device=self.device)
@@ -205,12 +219,20 @@ class NativeEngine:
         steps = sp.max_new_tokens
         for t in range(1, sp.max_new_tokens):
             tok, lp = sample_tokens(step(tok, width + t - 1), sp, gen)
+            if want:
+                dec.append(rows_NK(routes()).clone())
             toks[:, t], lps[:, t] = tok, lp
             done |= torch.isin(tok, stop_t)
             if t % _STOP_CHECK == 0 and bool(done[:n].all()):
                 steps = t + 1
                 break
-        return list(zip(toks[:n, :steps].tolist(), lps[:n, :steps].tolist()))
+        out = list(zip(toks[:n, :steps].tolist(), lps[:n, :steps].tolist()))
+        if not want:
+            return [(t, lp, None) for t, lp in out]
+        dec_BSNK = torch.cat(dec, 1).cpu() if dec else pre[:, :0].cpu()
+        pre = pre.cpu()
+        return [(t, lp, torch.cat([pre[i, width - len(rows[i]):], dec_BSNK[i, :steps - 1]]))
+                for i, (t, lp) in enumerate(out)]
 
     def _decode(self, tokens: list[int], reason: str) -> str:
         return decode_response(self.tokenizer, tokens, reason)

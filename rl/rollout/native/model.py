@@ -94,6 +94,8 @@ class NativeQwen3:
                  pow2: bool = False):
         self.s, self.device, self.dtype, self.impl, self.max_len = shape, device, dtype, impl, max_len
         self.fp8 = fp8
+        self.routes: dict[int, torch.Tensor] = {}
+        """MoE layer -> (T, top_k) expert ids of the last forward through it."""
         policy = as_policy(keep)
         s = shape
         self.tensors: dict[str, torch.Tensor] = {}
@@ -243,6 +245,8 @@ class NativeQwen3:
         t = x.shape[0]
         probs = F.linear(x, self.tensors[p + "router"]).float().softmax(-1)
         w_TK, e_TK = probs.topk(s.top_k, dim=-1)
+        # Kept by reference (no copy, graph-safe): the engine reads it for routing replay.
+        self.routes[i] = e_TK
         if s.norm_topk_prob:
             w_TK = w_TK / w_TK.sum(-1, keepdim=True)
         w_TK = w_TK.to(x.dtype)

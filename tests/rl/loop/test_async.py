@@ -14,9 +14,10 @@ from tests.rl.loop.conftest import (COMPARED, assert_same_run, make_cfg, read_me
 pytestmark = pytest.mark.slow
 
 # One step off-policy; background generations stop after 3 of 6 tokens, and the cut samples are
-# finished with the new weights.
+# finished with the new weights. Routing replay (r3) rides along: the engine's routing travels
+# with the batches generated ahead, through the checkpoint, into trajectories.h5.
 ASYNC = ["algorithm.max_staleness=1", "algorithm.partial_rollouts=resume",
-         "algorithm.partial_tokens=3"]
+         "algorithm.partial_tokens=3", "algorithm.routing_replay=r3", "logging.save_routing=true"]
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +60,12 @@ def test_async_run_trains_one_version_behind_with_resumed_spans(async_reference)
                 assert spans == [[0, s - 2], [3, s - 1]] and row["response_length"] > 3
                 assert row["weight_version"] == s - 1
             assert len(row["rollout_logprobs"]) == row["response_length"]
+            assert row["routing"].shape[0] == row["prompt_length"] + row["response_length"] - 1
         assert resumed > 0
+    # fp32 engine and trainer route alike (the engine's routing is replayed either way).
+    assert all(0.9 < m["rollout/routing_agreement"] <= 1 for m in metrics)
+    assert (sum(m["train/rollout_logp_absdiff"] for m in metrics)
+            <= sum(m["train/noreplay_rollout_logp_absdiff"] for m in metrics))
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(cfg.run_dir / "tensorboard"), size_guidance={"histograms": 0})
     acc.Reload()
@@ -81,10 +87,12 @@ def test_async_sigterm_and_resume_equals_uninterrupted_run(async_reference, tmp_
     pending = torch.load(path / "driver.pt", weights_only=False)["pending"]
     assert [b["step"] for b in pending] == [stopped_at + 1]
     assert {s["weight_version"] for g in pending[0]["groups"] for s in g} == {stopped_at - 1}
+    assert all(s["routing"] is not None for g in pending[0]["groups"] for s in g)
     proc = start_submit(tmp_path, "resumed", *ASYNC)
     assert proc.wait(900) == 0
     assert_same_run(run_dir, ref_cfg.run_dir,
-                    (*COMPARED, "rollout/resumed_frac", "rollout/staleness_mean"))
+                    (*COMPARED, "rollout/resumed_frac", "rollout/staleness_mean",
+                     "rollout/routing_agreement", "train/rollout_logp_absdiff"))
 
 
 def test_lowering_max_staleness_on_resume_drops_older_samples(tmp_path, ray_local):
