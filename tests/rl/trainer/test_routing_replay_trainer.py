@@ -95,8 +95,7 @@ def test_r2_replays_the_old_pass_routing(setup):
     replay = TrainerReplay(trainer, "r2", tis_cap=None)
     saved = {k: v.clone() for k, v in trainer.state_dict().items()}
     try:
-        batch = _batch(samples)
-        batch.pop("routing")
+        batch = TrainBatch.from_samples(samples, [0.0] * len(samples))  # r2: no engine routing
         (mb,) = micro_batches(batch, list(range(len(samples))), 10**6, 1)
         with torch.no_grad():
             old = replay.old_pass(lambda: _logp(trainer, mb), mb)
