@@ -1,5 +1,6 @@
 """Checks `launch.submit` makes on the submitting host before anything starts (no Ray, no engine,
-no allocation): the Slurm options, the run directory's config on resume, and the data files.
+no allocation): the Slurm options, the run directory's config on resume, the data files, and
+whether a local vLLM-CPU engine can run the model at all.
 
 Each failure is one line on stderr and exit status 2 (`launch.common.fail`). The job repeats the
 resume check (`rl.resume.check_and_save_config`) as a safety net; the data it reads is the same.
@@ -109,3 +110,42 @@ def _tokenizer(cfg: Config):
         return None
     from rl.models.loading import load_tokenizer
     return load_tokenizer(Path(cfg.model.path))
+
+
+# Architectures whose vLLM-CPU path needs kernels not every CPU has (`rl.rollout.vllm_probe`).
+_PROBED_ON_CPU = {"deepseek_v4": "tiny-deepseek-v4"}
+
+
+def check_engine_or_exit(cfg: Config) -> None:
+    """Exit 2 when a local run's vLLM engine cannot run the model on this CPU (DeepSeek-V4 needs
+    AVX-512-BF16 kernels and triton-cpu). Decided by running vLLM on the tiny preset of the same
+    architecture once per machine (`rl.rollout.vllm_probe`, cached under `.cache/probes/`)."""
+    if cfg.rollout.engine != "vllm" or cfg.cluster.kind != "local":
+        return
+    import json
+
+    import torch
+    if torch.cuda.is_available():
+        return
+    if cfg.model.path is None:
+        from rl.models.presets import preset_config
+        kind = preset_config(cfg.model.preset, 128).model_type
+    else:
+        config = Path(cfg.model.path) / "config.json"
+        kind = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    preset = _PROBED_ON_CPU.get(kind)
+    if preset is None:
+        return
+    from rl.config import ModelConfig
+    from rl.models.loading import resolve_model_dir
+    from rl.rollout.vllm_probe import cached, run_probe
+    probe = f"vllm-cpu-{preset.removeprefix('tiny-')}"
+    if cached(probe) is None:
+        print(f"checking once whether vLLM-CPU can run {kind} on this CPU (1-3 min)...",
+              flush=True)
+    answer = run_probe(resolve_model_dir(ModelConfig(preset=preset)), [[1, 40, 41, 42]], 2,
+                       probe, remember_success=True)
+    if not answer["ok"]:
+        fail(f"rollout error: rollout.engine=vllm cannot run {kind} on this CPU: vLLM-CPU "
+             f"fails to {answer.get('stage', 'load')} it ({answer['error']}); its {kind} path "
+             "needs AVX-512-BF16 kernels and triton-cpu. Use rollout.engine=hf here")

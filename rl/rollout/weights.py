@@ -13,7 +13,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from rl.quant.wire import scale_name, unpack_fp8_from_wire
+from rl.quant.block_fp8 import DEFAULT_BLOCK
+from rl.quant.wire import scale_name, unpack_fp8_from_wire, wire_to_fp8
 
 _SCALE_SUFFIX = scale_name("")  # "_scale_inv"
 
@@ -86,3 +87,36 @@ def receive_stream(group, plan, version: int, verify: bool, dtype: torch.dtype |
             yield from bucket
 
     return pair_wire(raw()) if dtype is None else decode_wire(raw(), dtype)
+
+
+def engine_loads_block_fp8(vllm_config) -> bool:
+    """True when a vLLM engine was built from a block-FP8 checkpoint (weights e4m3 with fp32
+    128x128 `weight_scale_inv`, what `rl.quant.wire` sends), so the wire's bytes load as they are.
+
+    Raises ValueError for a DeepSeek-V4 engine with MXFP4 experts (`expert_dtype: fp4`, the
+    published Flash checkpoint): the wire carries FP8 experts, which that engine cannot take.
+    """
+    quant = getattr(vllm_config, "quant_config", None)
+    if quant is None or not getattr(quant, "is_checkpoint_fp8_serialized", False):
+        return False
+    if getattr(quant, "weight_block_size", None) != [DEFAULT_BLOCK, DEFAULT_BLOCK]:
+        return False
+    hf_config = vllm_config.model_config.hf_config
+    if getattr(hf_config, "model_type", None) == "deepseek_v4" and getattr(
+            hf_config, "expert_dtype", "fp4") == "fp4":
+        raise ValueError("weight sync: this DeepSeek-V4 engine holds MXFP4 experts "
+                         "(expert_dtype fp4); the wire carries block-FP8 experts: build the "
+                         "rollout checkpoint with expert_dtype fp8")
+    return True
+
+
+def as_fp8_checkpoint(named: Iterable[tuple[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`pair_wire` output -> block-FP8 checkpoint tensors: `x` as float8_e4m3fn and
+    `x_scale_inv` as fp32 (the names and dtypes vLLM's Fp8 / DeepseekV4FP8 loaders read)."""
+    for name, value in named:
+        if isinstance(value, tuple):
+            yield name, wire_to_fp8(value[0])
+            yield scale_name(name), value[1]
+        else:
+            yield name, value

@@ -1,5 +1,8 @@
 """Trainer side of the online weight update: gather -> bucket -> broadcast.
 
+The stream's names are `rl.models.name_maps.stream_pieces`: what the rollout engines' loaders
+read (DeepSeek-V4: its checkpoint names, experts one by one; others: in-memory names).
+
 Under ZeRO-3 every rank holds a shard, so gathering a bucket's parameters is a collective that
 all ranks enter in the same order; only rank 0 packs and broadcasts on the weight group. Buffers
 that matter for inference (`tid2eid`, `e_score_correction_bias`, ...) are not parameters and are
@@ -18,8 +21,10 @@ import contextlib
 import warnings
 
 import torch
+from transformers import PreTrainedModel
 
 from rl.config import SyncConfig
+from rl.models.name_maps import stream_pieces
 from rl.quant.block_fp8 import DEFAULT_BLOCK, num_blocks
 from rl.quant.fast_quant import quantize_weight_fast
 from rl.quant.policy import as_policy, should_quantize
@@ -45,6 +50,16 @@ class WeightSender:
         self.sync, self.device = sync, device
         self.params = dict(module.named_parameters())
         self.buffers = dict(persistent_buffers(module))
+        # The stream carries wire names (`name_maps.stream_pieces`): for DeepSeek-V4 its
+        # checkpoint names, one tensor per expert. wire name -> in-memory name it is cut from.
+        self._source: dict[str, str] = {}
+        self._wire_specs: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        for name, t in [*self.params.items(), *self.buffers.items()]:
+            shape = tuple(getattr(t, "ds_shape", t.shape))
+            for wire, piece in self._pieces(name, torch.empty(shape, dtype=t.dtype,
+                                                              device="meta")):
+                self._source[wire] = name
+                self._wire_specs.append((wire, tuple(piece.shape), t.dtype))
         self._plan: SyncPlan | None = None
         self.group: transport.WeightGroup | None = None
         self._keep = as_policy(sync.wire_keep_bf16)
@@ -53,22 +68,24 @@ class WeightSender:
         self._graphs: list | None = None
         self._sends = 0
 
+    def _pieces(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if isinstance(self.module, PreTrainedModel):
+            return stream_pieces(self.module, name, tensor)
+        return [(name, tensor)]
+
     def _fp8(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
-        return (self.sync.wire_dtype == "fp8" and name in self.params and dtype.is_floating_point
-                and should_quantize(name, shape, self._keep))
+        return (self.sync.wire_dtype == "fp8" and self._source.get(name) in self.params
+                and dtype.is_floating_point and should_quantize(name, shape, self._keep))
 
     def _specs(self):
-        for name, p in self.params.items():
-            shape = tuple(getattr(p, "ds_shape", p.shape))
-            if self._fp8(name, shape, p.dtype):
+        for name, shape, dtype in self._wire_specs:
+            if self._fp8(name, shape, dtype):
                 *lead, n, k = shape
                 yield name, shape, torch.uint8
                 yield scale_name(name), (*lead, num_blocks(n, DEFAULT_BLOCK),
                                          num_blocks(k, DEFAULT_BLOCK)), torch.float32
             else:
-                yield name, shape, p.dtype
-        for name, b in self.buffers.items():
-            yield name, tuple(b.shape), b.dtype
+                yield name, shape, dtype
 
     def plan(self) -> SyncPlan:
         if self._plan is None:
@@ -77,7 +94,9 @@ class WeightSender:
 
     @contextlib.contextmanager
     def _gathered(self, bucket: Bucket):
-        params = [self.params[s.name] for s in bucket.slots if s.name in self.params]
+        sources = dict.fromkeys(self._source[s.name] for s in bucket.slots
+                                if s.name in self._source)
+        params = [self.params[n] for n in sources if n in self.params]
         if self.zero_stage == 3 and params:
             import deepspeed
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
@@ -86,8 +105,14 @@ class WeightSender:
             yield
 
     def _tensors(self, bucket: Bucket) -> dict[str, torch.Tensor]:
-        return {s.name: (self.params.get(s.name) if s.name in self.params
-                         else self.buffers[s.name]).detach() for s in bucket.slots}
+        """Wire name -> tensor (a view of a gathered parameter or a buffer) of every slot of
+        `bucket` that is not a separately travelling FP8 scale."""
+        out: dict[str, torch.Tensor] = {}
+        wanted = {s.name for s in bucket.slots}
+        for src in dict.fromkeys(self._source[n] for n in wanted if n in self._source):
+            t = self.params[src] if src in self.params else self.buffers[src]
+            out.update((w, p) for w, p in self._pieces(src, t.detach()) if w in wanted)
+        return out
 
     def _pack(self, bucket: Bucket, buf: torch.Tensor | None = None) -> torch.Tensor:
         """Bucket bytes (into `buf` when given); FP8 weights are quantised straight into it."""
@@ -96,12 +121,13 @@ class WeightSender:
         if buf is None:
             buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.group.device)
         views = {s.name: (buf[s.offset:s.offset + s.nbytes], s) for s in bucket.slots}
+        tensors = self._tensors(bucket)
         done = set()
         for s in bucket.slots:
             if s.name in done:
                 continue
             dst = views[s.name][0]
-            t = self.params.get(s.name)
+            t = tensors.get(s.name)
             if t is not None and s.dtype == "uint8" and t.dtype != torch.uint8:
                 sname = scale_name(s.name)
                 if sname in views:
@@ -116,8 +142,7 @@ class WeightSender:
             elif s.name in self._scales:
                 dst.copy_(self._scales.pop(s.name).reshape(-1).view(torch.uint8))
             else:
-                src = t if t is not None else self.buffers[s.name]
-                dst.copy_(src.detach().contiguous().reshape(-1).view(torch.uint8))
+                dst.copy_(t.contiguous().reshape(-1).view(torch.uint8))
         return buf
 
     def _graph_packs(self, plan: SyncPlan) -> list | None:
@@ -202,11 +227,8 @@ class WeightSender:
         for bucket in self.plan().buckets:
             with self._gathered(bucket):
                 if self.is_sender:  # full precision, whatever the wire carries
-                    for slot in bucket.slots:
-                        t = self.params.get(slot.name)
-                        t = t if t is not None else self.buffers.get(slot.name)
-                        if t is not None:
-                            out[slot.name] = t.detach().cpu().clone()
+                    for name, t in self._tensors(bucket).items():
+                        out[name] = t.cpu().clone()
         return out
 
     def close(self) -> None:

@@ -81,55 +81,15 @@ def assert_greedy_match(engine_tokens: list[int], engine_logprobs: list[float],
     return len(hf_tokens)
 
 
-PROBE_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "probes"
-
-
-def _machine_key() -> str:
-    """What decides whether a vLLM-CPU kernel exists here: vLLM, torch and the CPU's flags."""
-    import hashlib
-    import platform
-
-    import torch
-    import vllm
-
-    flags = ""
-    try:
-        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
-    except OSError:
-        pass
-    text = f"{vllm.__version__}|{torch.__version__}|{platform.machine()}|{flags}"
-    return hashlib.sha1(text.encode()).hexdigest()[:16]
-
-
 def greedy_in_subprocess(model_dir: str | Path, prompt_ids: list[list[int]], num_tokens: int,
                          probe: str, timeout_s: float = 900) -> dict:
-    """Greedy vLLM-CPU generation in a fresh process (`tests.helpers.vllm_greedy`).
+    """Greedy vLLM-CPU generation in a fresh process (`rl.rollout.vllm_probe`, which is also the
+    probe of whether vLLM can run this model on this CPU at all).
 
-    Returns its answer: {"ok": True, "tokens", "logprobs"} or {"ok": False, "error"}. A failure
-    is remembered under `.cache/probes/<probe>-<machine key>.json`, so later sessions on the same
-    CPU and versions answer at once instead of spending a minute finding out again.
+    Returns its answer: {"ok": True, "tokens", "logprobs"} or {"ok": False, "stage", "error"}. A
+    failure is remembered under `.cache/probes/<probe>-<machine key>.json`, so later sessions
+    (and `launch.submit`'s check) on the same CPU and versions answer at once.
     """
-    import json
-    import subprocess
-    import sys
-    import tempfile
+    from rl.rollout.vllm_probe import run_probe
 
-    cached = PROBE_CACHE / f"{probe}-{_machine_key()}.json"
-    if cached.is_file():
-        return json.loads(cached.read_text())
-    with tempfile.TemporaryDirectory() as tmp:
-        spec, out = Path(tmp) / "in.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"model_dir": str(model_dir), "prompt_ids": prompt_ids,
-                                    "num_tokens": num_tokens}))
-        env = {**os.environ, **{k: v for k, v in _ENV_DEFAULTS.items() if k not in os.environ}}
-        proc = subprocess.run([sys.executable, "-m", "tests.helpers.vllm_greedy", str(spec), str(out)],
-                              cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True,
-                              text=True, timeout=timeout_s)
-        if not out.is_file():
-            raise RuntimeError(f"tests.helpers.vllm_greedy died (exit {proc.returncode}):\n"
-                               f"{proc.stderr[-3000:]}")
-        result = json.loads(out.read_text())
-    if not result["ok"]:
-        PROBE_CACHE.mkdir(parents=True, exist_ok=True)
-        cached.write_text(json.dumps(result))
-    return result
+    return run_probe(model_dir, prompt_ids, num_tokens, probe, timeout_s)
