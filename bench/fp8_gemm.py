@@ -1,0 +1,158 @@
+"""The decode GEMMs of the native engine, FP8 against BF16: which FP8 path can pay (issue 16).
+
+At decode every linear is a skinny GEMM (M = batch rows, K and N the model's), bound by reading
+the weight. FP8 halves those bytes, so its ceiling is ~2x BF16's at small M; today the engine's
+FP8 rollout is slower than BF16 (bench/results/rollout.md). This measures, per shape, side by
+side in one run:
+- `bf16`: F.linear on the BF16 weight (cuBLAS), the BF16 engine's path;
+- `w8a16 (ours)`: `rl.rollout.native.kernels.w8a16_linear`, the FP8 engine's Triton kernel
+  (e4m3 weight with 128x128 block scales, dequantised in the kernel, BF16 activations);
+- `w8a8 _scaled_mm`: cuBLAS FP8 GEMM via `torch._scaled_mm`, weight rowwise-scaled e4m3 and
+  activations quantised per token (the quantisation kernel is timed with it: `+quant`);
+- the roofline: weight bytes / measured HBM copy bandwidth (what a weight-bound GEMM can reach).
+Times: 64 calls captured in one CUDA graph (as the engine's decode runs them; no launch
+latency), median over replays; the weights rotate through 16 copies (more than L2 holds) so
+each call reads HBM.
+Qwen3-0.6B decode shapes (qkv, o, gate_up, down; the engine fuses qkv and gate+up) at M = 64
+and 256, and a Qwen3-30B-A3B-sized dense row for scale.
+
+Run: python -m bench.fp8_gemm [--m 64 256]
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import (QWEN3_06B, device_info, measure_copy_bandwidth, parse_args,
+                          write_results)
+
+E4M3_MAX = 448.0
+
+
+def shapes(fields: dict) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of one decoder layer's linears, as the native engine fuses them."""
+    h, hd = fields["hidden_size"], fields["head_dim"]
+    nh, nkv, i = fields["num_attention_heads"], fields["num_key_value_heads"], \
+        fields["intermediate_size"]
+    return {"qkv": ((nh + 2 * nkv) * hd, h), "o": (h, nh * hd), "gate_up": (2 * i, h),
+            "down": (h, i)}
+
+
+def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 and its fp32 scale (M, 1): x ~= q * scale."""
+    amax = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / E4M3_MAX
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def time_cuda(fn, reps: int = 64, iters: int = 20) -> float:
+    """Median GPU seconds of one call: `reps` calls captured in one CUDA graph (as the engine's
+    decode step runs them), so launch latency is not measured; median over `iters` replays."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / reps)
+    return statistics.median(times)
+
+
+def case(m: int, n: int, k: int, device: str, smoke: bool) -> dict[str, float | None]:
+    from rl.quant.block_fp8 import quantize_weight_block
+    from rl.rollout.native import kernels as K
+    torch.manual_seed(0)
+    rot = 1 if smoke else 16  # rotate through copies so each call reads its weight from HBM
+    w = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5 for _ in range(rot)]
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    blocks = [quantize_weight_block(wi) for wi in w]
+    wq = [q.view(torch.uint8) for q, _ in blocks]
+    ws = [s for _, s in blocks]
+    it = iter(range(10 ** 9))
+    out: dict[str, float | None] = {}
+    impl = "torch" if smoke else "triton"
+    ref = F.linear(x, w[0]).float()
+    got = K.w8a16_linear(x, wq[0], ws[0], impl=impl).float()
+    out["w8a16_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+    if smoke:
+        return out
+    out["bf16"] = time_cuda(lambda: F.linear(x, w[next(it) % rot]))
+    out["w8a16"] = time_cuda(lambda: K.w8a16_linear(x, wq[(j := next(it) % rot)], ws[j],
+                                                    impl="triton"))
+    # cuBLAS FP8: rowwise weight scales (N,) and per-token activation scales (M,)
+    rows = [quant_rows(wi) for wi in w]
+    wt = [q.t() for q, _ in rows]          # (K, N) column-major view, what _scaled_mm wants
+    sw = [s.t().contiguous() for _, s in rows]  # (1, N)
+    try:
+        xq, sx = quant_rows(x)
+        y = torch._scaled_mm(xq, wt[0], scale_a=sx, scale_b=sw[0], out_dtype=torch.bfloat16)
+        out["w8a8_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+        out["w8a8"] = time_cuda(lambda: torch._scaled_mm(
+            xq, wt[(j := next(it) % rot)], scale_a=sx, scale_b=sw[j], out_dtype=torch.bfloat16))
+
+        def quant_and_mm():
+            j = next(it) % rot
+            q, s = quant_rows(x)
+            return torch._scaled_mm(q, wt[j], scale_a=s, scale_b=sw[j], out_dtype=torch.bfloat16)
+        out["w8a8_quant"] = time_cuda(quant_and_mm)
+    except (RuntimeError, TypeError) as e:  # an unsupported scaling mode is a result
+        out["w8a8_error"] = str(e).splitlines()[0][:120]
+    return out
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
+        "--m", type=int, nargs="+", default=[64, 256]))
+    device = "cpu" if args.smoke else "cuda"
+    fields = dict(QWEN3_06B, hidden_size=256, head_dim=64, intermediate_size=512,
+                  num_attention_heads=4, num_key_value_heads=2) if args.smoke else QWEN3_06B
+    per = shapes(fields)
+    if not args.smoke:
+        per["30B-A3B o (dense 4096x8192)"] = (4096, 8192)
+    bw = None if args.smoke else measure_copy_bandwidth(device)
+    rows = []
+    for m in ([4] if args.smoke else args.m):
+        for name, (n, k) in per.items():
+            r = case(m, n, k, device, args.smoke)
+            row = {"shape": name, "M": m, "N": n, "K": k, **{
+                f"{key} us": v * 1e6 for key, v in r.items()
+                if key in ("bf16", "w8a16", "w8a8", "w8a8_quant") and v is not None}}
+            row["w8a16 err"] = r.get("w8a16_rel_err")
+            row["w8a8 err"] = r.get("w8a8_rel_err")
+            if bw:
+                row["roofline bf16 us"] = n * k * 2 / (bw * 1e9) * 1e6
+                row["roofline fp8 us"] = n * k / (bw * 1e9) * 1e6
+                row["w8a16 / bf16"] = r["bf16"] / r["w8a16"]
+                if "w8a8" in r:
+                    row["w8a8 / bf16"] = r["bf16"] / r["w8a8"]
+                    row["w8a8+quant / bf16"] = r["bf16"] / r["w8a8_quant"]
+            if "w8a8_error" in r:
+                row["note"] = r["w8a8_error"]
+            rows.append(row)
+    cols = ["shape", "M", "N", "K", "bf16 us", "w8a16 us", "w8a8 us", "w8a8_quant us",
+            "roofline bf16 us", "roofline fp8 us", "w8a16 / bf16", "w8a8 / bf16",
+            "w8a8+quant / bf16", "w8a16 err", "w8a8 err", "note"]
+    notes = ["x / bf16 columns: speed-up over BF16 (>1 = FP8 faster); err: relative Frobenius "
+             "error against the BF16 GEMM (FP8 rounding of weight, and for w8a8 of activations)",
+             "w8a8 scales: rowwise weight (the engine stores 128x128 blocks; a block-scaled "
+             "cuBLAS path would differ in its scale reads only)"]
+    if bw:
+        notes.append(f"HBM copy bandwidth measured here: {bw:,.0f} GB/s")
+    write_results("fp8_gemm_smoke" if args.smoke else "fp8_gemm", args.out, device_info(),
+                  rows, cols, notes)
+
+
+if __name__ == "__main__":
+    main()
