@@ -33,18 +33,32 @@ def _ignored(key: str) -> bool:
     return any(key == p or key.startswith(p + ".") for p in RESUME_IGNORED)
 
 
+_ABSENT = object()
+
+
+def _defaults() -> dict:
+    return _flatten(to_dict(Config()))
+
+
 def config_differences(old: dict, new: dict) -> list[str]:
     """`key: old -> new` for each key that matters; a key the old config kept where it used to
-    live (`rl.config.MOVED_KEYS`) is compared at its new place."""
+    live (`rl.config.MOVED_KEYS`) is compared at its new place. A key the old config lacks (one a
+    later version added) is a difference only where the new config sets it off its default."""
     a, b = _flatten(old), _flatten(new)
     a = {MOVED_KEYS.get(k, k): v for k, v in a.items()}
+    defaults = _defaults()
     keys = sorted(set(a) | set(b))
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys
-            if a.get(k) != b.get(k) and not _ignored(k)]
+            if a.get(k) != b.get(k) and not _ignored(k)
+            and not (k not in a and b.get(k) == defaults.get(k, _ABSENT))]
 
 
 def resume_hash(cfg: Config) -> str:
-    flat = {k: v for k, v in _flatten(to_dict(cfg)).items() if not _ignored(k)}
+    """A checkpoint's config hash: the keys that matter, those off their default only, so that a
+    config key a later version adds (at its default) does not orphan existing checkpoints."""
+    defaults = _defaults()
+    flat = {k: v for k, v in _flatten(to_dict(cfg)).items()
+            if not _ignored(k) and defaults.get(k, _ABSENT) != v}
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

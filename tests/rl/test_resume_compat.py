@@ -1,0 +1,34 @@
+"""A config key added by a later version (at its default) must not refuse the resume of a run
+that an earlier version wrote: neither the run directory's config.yaml check nor the
+checkpoint's config hash."""
+import hashlib
+import json
+
+from rl.config import Config, load_config, to_dict
+from rl.resume import config_differences, resume_hash
+
+
+def _without(d: dict, dotted: str) -> dict:
+    d = json.loads(json.dumps(d))
+    *parents, leaf = dotted.split(".")
+    node = d
+    for p in parents:
+        node = node[p]
+    del node[leaf]
+    return d
+
+
+def test_a_key_the_old_config_lacks_is_no_difference_at_its_default():
+    new = to_dict(load_config(None, []))
+    old = _without(new, "algorithm.routing_replay")  # as a version before routing replay wrote it
+    assert config_differences(old, new) == []
+    changed = to_dict(load_config(None, ["algorithm.routing_replay=r3"]))
+    assert config_differences(old, changed) == ["algorithm.routing_replay: None -> 'r3'"]
+
+
+def test_the_hash_counts_only_keys_off_their_default():
+    empty = hashlib.sha256(b"{}").hexdigest()[:16]
+    assert resume_hash(Config()) == empty  # a key added at its default cannot change a hash
+    assert resume_hash(load_config(None, ["name=other", "eval.every=7"])) == empty  # ignored keys
+    assert resume_hash(load_config(None, ["algorithm.clip_low=0.1"])) != empty
+    assert resume_hash(load_config(None, ["seed=1"])) != resume_hash(load_config(None, ["seed=2"]))
