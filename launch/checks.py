@@ -116,6 +116,27 @@ def _tokenizer(cfg: Config):
 _PROBED_ON_CPU = {"deepseek_v4": "tiny-deepseek-v4"}
 
 
+def check_rollout_checkpoint_or_exit(cfg: Config) -> None:
+    """Exit 2 when `rollout.model_path` is a DeepSeek-V4 checkpoint with MXFP4 experts (the
+    published layout `launch.convert --rollout-out` copies): the weight sync sends block-FP8
+    experts, which such an engine cannot load (`rl.rollout.weights.engine_loads_block_fp8`), so
+    the job would die at its first weight update, after the allocation started."""
+    import json
+    if cfg.rollout.model_path is None:
+        return
+    config = Path(cfg.rollout.model_path) / "config.json"
+    if not config.is_file():
+        return  # the engine names a missing directory itself (rl.rollout.vllm_engine)
+    hf = json.loads(config.read_text())
+    if hf.get("model_type") == "deepseek_v4" and hf.get("quantization_config") and \
+            hf.get("expert_dtype", "fp4") == "fp4":  # vLLM's V4 default is fp4 too
+        fail(f"config error: rollout.model_path: {cfg.rollout.model_path!r} holds MXFP4 experts "
+             "(config.json expert_dtype fp4); the weight sync sends block-FP8 experts, which that "
+             "engine cannot load, and launch.convert does not write FP8 experts yet: leave "
+             "rollout.model_path unset (vLLM then loads model.path) or give a checkpoint with "
+             "expert_dtype fp8")
+
+
 def check_engine_or_exit(cfg: Config) -> None:
     """Exit 2 when a local run's vLLM engine cannot run the model on this CPU (DeepSeek-V4 needs
     AVX-512-BF16 kernels and triton-cpu). Decided by running vLLM on the tiny preset of the same

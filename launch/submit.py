@@ -17,7 +17,7 @@ import sys
 import time
 
 from launch.checks import (check_data_or_exit, check_engine_or_exit, check_resume_or_exit,
-                           check_slurm_params_or_exit)
+                           check_rollout_checkpoint_or_exit, check_slurm_params_or_exit)
 from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
                            split_config_args, stream_errors, stream_output)
 from launch.rundir import archive_run_dir
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_data_check:
         check_data_or_exit(cfg)
     check_engine_or_exit(cfg)
+    check_rollout_checkpoint_or_exit(cfg)
     from rl.data.datasets import eval_note
     if note := eval_note(cfg.data, cfg.seed):
         print(note, flush=True)
