@@ -107,6 +107,13 @@ METRIC_TAGS: dict[str, str] = {
                             "0 = first start or no signal recorded).",
 }
 
+# The tags written only with one algorithm.routing_replay mode (tag -> mode); every other tag of
+# METRIC_TAGS is written by every run (its description says under which settings it is non-zero).
+REPLAY_TAGS: dict[str, str] = {
+    "rollout/routing_agreement": "r3", "train/rollout_logp_absdiff": "r3",
+    "train/noreplay_rollout_logp_absdiff": "r3", "train/noreplay_tis_ratio_mean": "r3",
+    "train/noreplay_tis_capped_frac": "r3", "train/routing_agreement": "r2"}
+
 # Histograms (TensorBoard's HISTOGRAMS tab), tag -> description.
 HISTOGRAM_TAGS: dict[str, str] = {
     "rollout/staleness": "Staleness of every trained sample of the step [weight versions].",
