@@ -26,7 +26,11 @@ SUPPORTED = ("qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v4")
 # Mirrors rl.quant.policy.DEFAULT_KEEP_BF16 (a test pins the two together; importing rl.quant
 # here would import torch, seconds we cannot spend).
 KEEP_BF16 = ("*embed_tokens*", "*embed.weight", "lm_head*", "*.lm_head*", "head.weight",
-             "*.mlp.gate.weight", "*.mlp.router.*", "*shared_expert_gate*", "*norm*")
+             "*.mlp.gate.weight", "*.mlp.router.*", "*shared_expert_gate*", "*norm*",
+             # DeepSeek-V4 checkpoint names (the weight stream's); the planner's HF names use
+             # KEEP_BF16_V4 below
+             "*.ffn.gate.weight", "*.indexer.weights_proj.weight", "*.compressor.wkv.weight",
+             "*.compressor.wgate.weight")
 # DeepSeek-V4's published checkpoint ships its compressor / indexer projections in BF16 (no FP8
 # scales), and transformers' FP8 quantizer skips them; a V4 FP8 engine keeps them too.
 KEEP_BF16_V4 = ("*.compressor.kv_proj.weight", "*.compressor.gate_proj.weight",
