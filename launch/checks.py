@@ -127,9 +127,10 @@ def check_rollout_checkpoint_or_exit(cfg: Config) -> None:
     config = Path(cfg.rollout.model_path) / "config.json"
     if not config.is_file():
         return  # the engine names a missing directory itself (rl.rollout.vllm_engine)
+    from rl.rollout.weights import mxfp4_experts
     hf = json.loads(config.read_text())
-    if hf.get("model_type") == "deepseek_v4" and hf.get("quantization_config") and \
-            hf.get("expert_dtype", "fp4") == "fp4":  # vLLM's V4 default is fp4 too
+    if hf.get("quantization_config") and mxfp4_experts(hf.get("model_type"),
+                                                       hf.get("expert_dtype")):
         fail(f"config error: rollout.model_path: {cfg.rollout.model_path!r} holds MXFP4 experts "
              "(config.json expert_dtype fp4); the weight sync sends block-FP8 experts, which that "
              "engine cannot load, and launch.convert does not write FP8 experts yet: leave "

@@ -89,6 +89,12 @@ def receive_stream(group, plan, version: int, verify: bool, dtype: torch.dtype |
     return pair_wire(raw()) if dtype is None else decode_wire(raw(), dtype)
 
 
+def mxfp4_experts(model_type: str | None, expert_dtype: str | None) -> bool:
+    """A DeepSeek-V4 checkpoint whose routed experts are MXFP4 (`expert_dtype` fp4, also vLLM's
+    V4 default when the config does not say): the weight sync cannot load such an engine."""
+    return model_type == "deepseek_v4" and (expert_dtype or "fp4") == "fp4"
+
+
 def engine_loads_block_fp8(vllm_config) -> bool:
     """True when a vLLM engine was built from a block-FP8 checkpoint (weights e4m3 with fp32
     128x128 `weight_scale_inv`, what `rl.quant.wire` sends), so the wire's bytes load as they are.
@@ -102,8 +108,8 @@ def engine_loads_block_fp8(vllm_config) -> bool:
     if getattr(quant, "weight_block_size", None) != [DEFAULT_BLOCK, DEFAULT_BLOCK]:
         return False
     hf_config = vllm_config.model_config.hf_config
-    if getattr(hf_config, "model_type", None) == "deepseek_v4" and getattr(
-            hf_config, "expert_dtype", "fp4") == "fp4":
+    if mxfp4_experts(getattr(hf_config, "model_type", None),
+                     getattr(hf_config, "expert_dtype", None)):
         raise ValueError("weight sync: this DeepSeek-V4 engine holds MXFP4 experts "
                          "(expert_dtype fp4); the wire carries block-FP8 experts: build the "
                          "rollout checkpoint with expert_dtype fp8")
