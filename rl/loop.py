@@ -219,7 +219,7 @@ class Run:
         #    checkpointed: the trainer ranks cannot be interrupted)
         t0 = time.perf_counter()
         train_batch = TrainBatch.from_samples(
-            samples, adv, routing=cfg.algorithm.routing_replay == "r3")
+            samples, adv, routing=pipe.sampling.return_routing)  # what the engines were asked for
         train_stats, old_logprobs = self.runtime.trainer.train(train_batch, step)
         t_train = time.perf_counter() - t0
         # the ranks skipped (together) any optimizer step with a non-finite loss or gradient
