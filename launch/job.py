@@ -47,7 +47,7 @@ def summary_record(cfg: Config, result) -> dict:
     the mean of the last evaluations minus the warm start, in accuracy (0.15 = 15 points)."""
     ws, mean = result.warm_start_accuracy, result.final_mean_accuracy
     return {"status": result.status, "step": result.step, "run_dir": result.run_dir,
-            "eval_problems": cfg.eval.num_prompts, "warm_start_accuracy": ws,
+            "eval_problems": result.eval_problems, "warm_start_accuracy": ws,
             "final_accuracy": result.final_accuracy, "final_mean_accuracy": mean,
             "final_mean_steps": list(result.final_mean_steps),
             "gain": None if ws is None or mean is None else mean - ws}

@@ -49,6 +49,8 @@ class RunResult:
     final_mean_accuracy: float | None = None
     """Mean held-out pass@1 of the last FINAL_EVALS evaluations, over all lives of the run."""
     final_mean_steps: list[int] = field(default_factory=list)
+    eval_problems: int | None = None
+    """Held-out problems each evaluation scores: the eval set, capped at eval.num_prompts."""
     history: list[dict] = field(default_factory=list)
 
 
@@ -176,6 +178,7 @@ class Run:
         result.step = state.step
         result.warm_start_accuracy = state.warm_start_accuracy
         result.final_accuracy = self.evaluator.last.get("eval/pass1")
+        result.eval_problems = len(self.source.eval_set)
         result.final_mean_accuracy, result.final_mean_steps = mean_of_last_evals(
             read_metrics_jsonl(cfg.run_dir / "metrics.jsonl"))
         return result

@@ -35,7 +35,7 @@ def test_summary_reports_gain_of_the_mean_over_warm_start():
     cfg = load_config("configs/local.yaml", ["eval.num_prompts=500"])
     result = RunResult(status="done", step=250, run_dir="/tmp/x", warm_start_accuracy=0.3,
                        final_accuracy=0.52, final_mean_accuracy=0.5,
-                       final_mean_steps=[200, 225, 250])
+                       final_mean_steps=[200, 225, 250], eval_problems=500)
     rec = summary_record(cfg, result)
     assert rec["gain"] == pytest.approx(0.2)
     assert rec["final_mean_steps"] == [200, 225, 250] and rec["eval_problems"] == 500
@@ -46,3 +46,12 @@ def test_summary_reports_gain_of_the_mean_over_warm_start():
     empty = RunResult(status="stopped", step=0, run_dir="/tmp/x")
     assert summary_record(cfg, empty)["gain"] is None
     assert "n/a" in summary(cfg, empty)
+
+
+def test_summary_counts_the_problems_really_evaluated():
+    # a user's small file: 5% of 80 prompts held out = 4, fewer than eval.num_prompts
+    cfg = load_config("configs/local.yaml", ["eval.num_prompts=16"])
+    result = RunResult(status="done", step=4, run_dir="/tmp/x", warm_start_accuracy=0.0,
+                       final_mean_accuracy=0.25, final_mean_steps=[2, 4], eval_problems=4)
+    assert summary_record(cfg, result)["eval_problems"] == 4
+    assert "held-out greedy accuracy (4 problems)" in summary(cfg, result)
