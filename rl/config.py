@@ -192,9 +192,11 @@ class RolloutConfig:
     config.json's quantization_config) rather than quantising BF16 weights online."""
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_ds_mla"] = "auto"
     """The engine's KV cache: `auto` (the engine's dtype: bf16 on GPUs, fp32 on CPU), `bfloat16`,
-    `fp8` (e4m3 with scales; the vllm engine only) or `fp8_ds_mla` (DeepSeek-V4's packed FP8
-    layout, 584 B per entry, which vLLM's V4 requires on GPUs: it turns auto and fp8 into it). The
-    same key sizes the KV cache in the memory plan (`launch.plan`, see rl/plan/kv.py)."""
+    `fp8` (e4m3 with scales: vllm, and native, whose cache then holds 1.98x the sequences in the
+    same bytes: one scale byte per token and KV head, rl/rollout/native/kvcache.py) or
+    `fp8_ds_mla` (DeepSeek-V4's packed FP8 layout, 584 B per entry, which vLLM's V4 requires on
+    GPUs: it turns auto and fp8 into it). The same key sizes the KV cache in the memory plan
+    (`launch.plan`, see rl/plan/kv.py)."""
     n_samples: int = 8
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -235,9 +237,10 @@ class RolloutConfig:
     """`native` with quantization fp8: round block scales up to powers of two."""
 
     def __post_init__(self) -> None:
-        _check(not self.kv_cache_dtype.startswith("fp8") or self.engine == "vllm", "kv_cache_dtype",
-               self.kv_cache_dtype, f"'auto' or 'bfloat16' with engine {self.engine!r} (an FP8 KV "
-               "cache exists only in the vllm engine)")
+        kv_ok = ["auto", "bfloat16", *{"vllm": ["fp8", "fp8_ds_mla"],
+                                         "native": ["fp8"]}.get(self.engine, [])]
+        _check(self.kv_cache_dtype in kv_ok, "kv_cache_dtype", self.kv_cache_dtype,
+               f"{', '.join(map(repr, kv_ok[:-1]))} or {kv_ok[-1]!r} with engine {self.engine!r}")
         _check(self.model_path is None or self.engine == "vllm", "model_path", self.model_path,
                f"null with engine {self.engine!r} (only the vllm engine is built from its own "
                "checkpoint)")

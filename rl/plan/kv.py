@@ -11,7 +11,9 @@
   entry per `m'` tokens (m=4, m'=128 in V4-Flash). The partial-window buffers and overlap state
   the compressors carry (< 2m tokens per layer) are ignored.
 
-Units: bytes. `dtype_bytes` is 2 for a bf16 cache, 1 for fp8.
+Units: bytes. `dtype_bytes` is 2 for a bf16 cache, 1 for fp8. `scale_bytes`: per token, KV head
+and K or V, what an FP8 cache stores besides the values: 0 for vLLM (per-tensor scales),
+`KV_FP8_SCALE_BYTES` for the native engine (one exponent byte, rl/rollout/native/kvcache.py).
 
 `cache_dtype` (`rollout.kv_cache_dtype` of a vLLM engine on GPUs) matters for DeepSeek-V4 only:
 vLLM 0.32's V4 attention (FlashMLA, its default backend) stores the cache in DeepSeek's packed
@@ -32,6 +34,8 @@ DS_MLA_ENTRY_BYTES = 584
 """One fp8_ds_mla cache entry of DeepSeek-V4 (head_dim 512, rope 64): vLLM's
 `state_content_bytes` / `packed_bytes_per_token`."""
 _DS_MLA_NAMES = ("auto", "fp8", "fp8_ds_mla")
+KV_FP8_SCALE_BYTES = 1
+"""The native engine's FP8 cache: one power-of-two scale byte per (token, KV head) of K and V."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,18 +57,25 @@ def _kib(n: float) -> str:
     return f"{n / 1024:,.1f} KiB"
 
 
-def gqa(arch: Arch, tp: int, dtype_bytes: int) -> KVLayout:
+def gqa_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int,
+                        scale_bytes: int = 0) -> int:
+    """K and V of one token over all layers; the native engine sizes its cache with this too."""
+    return 2 * kv_heads * (head_dim * dtype_bytes + scale_bytes) * layers
+
+
+def gqa(arch: Arch, tp: int, dtype_bytes: int, scale_bytes: int = 0) -> KVLayout:
     c, src = arch.config, arch.source
     heads = field_of(c, src, "num_attention_heads")
     kv = field_of(c, src, "num_key_value_heads", default=heads)
     hd = field_of(c, src, "head_dim", default=arch.hidden // heads)
     per_rank = -(-kv // tp) if tp <= kv else 1
-    per_token = 2 * per_rank * hd * arch.num_layers * dtype_bytes
+    per_token = gqa_bytes_per_token(arch.num_layers, per_rank, hd, dtype_bytes, scale_bytes)
+    scales = f" + {scale_bytes} B scale per head" if scale_bytes else ""
     split = (f"{per_rank} per rank at TP {tp}" if tp <= kv
              else f"1 per rank at TP {tp}: replicated {tp // kv}x")
     return KVLayout(per_token, 0.0, (
         f"GQA: 2 (K,V) x {kv} KV heads ({split}) x head_dim {hd} x {arch.num_layers} layers "
-        f"x {dtype_bytes} B = {_kib(per_token)}/token per rank",))
+        f"x {dtype_bytes} B{scales} = {_kib(per_token)}/token per rank",))
 
 
 def mla(arch: Arch, dtype_bytes: int) -> KVLayout:
@@ -107,13 +118,14 @@ def deepseek_v4(arch: Arch, dtype_bytes: int, packed: bool = False) -> KVLayout:
     ))
 
 
-def kv_layout(arch: Arch, tp: int, dtype_bytes: int, cache_dtype: str | None = None
-              ) -> KVLayout:
+def kv_layout(arch: Arch, tp: int, dtype_bytes: int, cache_dtype: str | None = None,
+              scale_bytes: int = 0) -> KVLayout:
     """The KV cost of `arch` per TP rank at tensor-parallel size `tp`.
 
     `cache_dtype`: vLLM's `kv_cache_dtype` on GPUs (None: plain rows of `dtype_bytes`, as HF and
     vLLM-CPU keep them). DeepSeek-V4 under auto / fp8 / fp8_ds_mla is sized in the packed
-    layout; fp8_ds_mla on any other model is a ConfigError.
+    layout; fp8_ds_mla on any other model is a ConfigError. `scale_bytes`: see the module doc
+    (GQA models).
     """
     if cache_dtype == "fp8_ds_mla" and arch.model_type != "deepseek_v4":
         raise ConfigError(f"rollout.kv_cache_dtype: 'fp8_ds_mla' is DeepSeek-V4's packed cache "
@@ -122,4 +134,4 @@ def kv_layout(arch: Arch, tp: int, dtype_bytes: int, cache_dtype: str | None = N
         return mla(arch, dtype_bytes)
     if arch.model_type == "deepseek_v4":
         return deepseek_v4(arch, dtype_bytes, packed=cache_dtype in _DS_MLA_NAMES)
-    return gqa(arch, tp, dtype_bytes)
+    return gqa(arch, tp, dtype_bytes, scale_bytes)

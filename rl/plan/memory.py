@@ -26,7 +26,7 @@ from rl.config import Config
 from rl.models.attention import EAGER_ONLY, attention_kernel
 from rl.plan import activations
 from rl.plan.arch import Arch, fp8_bytes, fp8_eligible
-from rl.plan.kv import KVLayout, kv_layout
+from rl.plan.kv import KV_FP8_SCALE_BYTES, KVLayout, kv_layout
 
 GiB = 2**30
 BUCKET_ELEMS = 5e8            # DeepSpeed reduce_bucket_size / allgather_bucket_size defaults
@@ -236,8 +236,9 @@ def plan_rollout(cfg: Config, arch: Arch) -> GroupPlan:
     on_gpu = cl.gpus_per_node > 0
     weights, kept, scales = rollout_weight_bytes(arch, tp, fp8)
     other = rollout_weight_bytes(arch, tp, not fp8)[0]
-    kv = kv_layout(arch, tp, 1 if r.kv_cache_dtype in ("fp8", "fp8_ds_mla") else 2,
-                   cache_dtype=r.kv_cache_dtype if on_gpu else None)
+    fp8_kv = r.kv_cache_dtype in ("fp8", "fp8_ds_mla")
+    kv = kv_layout(arch, tp, 1 if fp8_kv else 2, cache_dtype=r.kv_cache_dtype if on_gpu else None,
+                   scale_bytes=KV_FP8_SCALE_BYTES if fp8_kv and r.engine == "native" else 0)
     problems: list[str] = []
     if on_gpu:
         budget = r.gpu_memory_utilization * p.gpu_memory_gb * GiB

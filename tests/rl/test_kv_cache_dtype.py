@@ -34,8 +34,13 @@ def test_the_plan_sizes_the_kv_cache_from_the_same_key():
 
 def test_fp8_kv_only_where_an_engine_has_it_and_old_key_says_where_it_went(tmp_path):
     with pytest.raises(ConfigError, match="rollout.kv_cache_dtype: got 'fp8', expected 'auto' or "
-                                          "'bfloat16' with engine 'native'"):
-        load_config(None, ["rollout.engine=native", "rollout.kv_cache_dtype=fp8"])
+                                          "'bfloat16' with engine 'hf'"):
+        load_config(None, ["rollout.engine=hf", "rollout.kv_cache_dtype=fp8"])
+    with pytest.raises(ConfigError, match="rollout.kv_cache_dtype: got 'fp8_ds_mla', expected "
+                                          "'auto', 'bfloat16' or 'fp8' with engine 'native'"):
+        load_config(None, ["rollout.engine=native", "rollout.kv_cache_dtype=fp8_ds_mla"])
+    assert load_config(None, ["rollout.engine=native", "rollout.kv_cache_dtype=fp8"]
+                       ).rollout.kv_cache_dtype == "fp8"
     old = tmp_path / "old.yaml"
     old.write_text("plan:\n  kv_cache_dtype: fp8\n")
     with pytest.raises(ConfigError, match=r"old.yaml:plan.kv_cache_dtype: this key moved to "

@@ -100,7 +100,8 @@ class NativeEngine:
             log.warning("native engine: triton is not importable; decoding with torch reference "
                         "kernels and without CUDA graphs (slow)")
         self.model = NativeQwen3(self.shape, self.device, self.dtype, cfg.quantization == "fp8",
-                                 cfg.fp8_keep_bf16, cfg.max_model_len, impl, cfg.fp8_pow2_scales)
+                                 cfg.fp8_keep_bf16, cfg.max_model_len, impl, cfg.fp8_pow2_scales,
+                                 kv_fp8=cfg.kv_cache_dtype == "fp8")
         self.use_graphs = cfg.cuda_graphs and impl == "triton"
         self.tokenizer = None
         self.eos_ids: list[int] = []

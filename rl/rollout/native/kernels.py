@@ -9,9 +9,11 @@ Ops (shapes: B rows, NH query heads, NKV kv heads, D head dim, L cache length):
 - `rmsnorm(x (M, H), w (H,), eps, residual=None)`: with `residual`, first `h = x + residual`
   (rounded to x's dtype, as HF adds in the model dtype), returns `(norm(h) * w, h)`.
 - `qk_norm_rope_cache(qkv (B, (NH+2NKV)*D), ...)`: per-head RMSNorm of q and k, rotary embedding
-  at position `pos - start[b]`, q out as (B, NH, D); k and v written into the caches at slot `pos`.
+  at position `pos - start[b]`, q out as (B, NH, D); k and v written into the caches at slot `pos`
+  (FP8 caches: quantised on write, see `rl.rollout.native.kvcache`).
 - `decode_attention(q (B, NH, D), k_cache, v_cache (B, NKV, L, D), start (B,), pos (1,))`: one
-  query per row over cache slots [start[b], pos]; online softmax in fp32 (flash-decoding).
+  query per row over cache slots [start[b], pos]; online softmax in fp32 (flash-decoding). FP8
+  caches are read as bytes; their per-token scales multiply the scores and softmax weights.
 - `silu_mul(x (M, 2I))`: `silu(x[:, :I]) * x[:, I:]`.
 - `w8a16_linear(x (M, K), w (N, K), scale)`: `x @ deq(w).T` with block-FP8 weights (uint8 view of
   e4m3, fp32 128x128 block scales) dequantised in registers: the weight crosses HBM as 1 byte.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from rl.quant.block_fp8 import DEFAULT_BLOCK, dequantize_weight_block
+from rl.rollout.native.kvcache import dequantize_kv, quantize_kv
 
 try:  # Triton is optional: the CPU engine never needs it
     import triton
@@ -59,7 +62,8 @@ def _rope_torch(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, eps):
+def _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, eps,
+              k_exp=None, v_exp=None):
     b = qkv.shape[0]
     d = qn_w.shape[0]
     p = int(pos.reshape(-1)[0])
@@ -69,17 +73,26 @@ def _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, 
     c, s = cos[position][:, None], sin[position][:, None]
     q = _rope_torch(_rmsnorm_torch(q, qn_w, eps)[0], c, s)
     k = _rope_torch(_rmsnorm_torch(k, kn_w, eps)[0], c, s)
-    k_cache[:b, :, p] = k.to(k_cache.dtype)
-    v_cache[:b, :, p] = v.to(v_cache.dtype)
+    if k_exp is None:
+        k_cache[:b, :, p] = k.to(k_cache.dtype)
+        v_cache[:b, :, p] = v.to(v_cache.dtype)
+    else:
+        for x, data, exp in ((k, k_cache, k_exp), (v, v_cache, v_exp)):
+            x8, e = quantize_kv(x)
+            data[:b, :, p] = x8.view(data.dtype)
+            exp[:b, :, p] = e
     return q.to(qkv.dtype)
 
 
-def _attention_torch(q, k_cache, v_cache, start, pos, sm_scale):
+def _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp=None, v_exp=None):
     b, nh, d = q.shape
     nkv = k_cache.shape[1]
     end = int(pos.reshape(-1)[0]) + 1
-    k = k_cache[:b, :, :end].float()
-    v = v_cache[:b, :, :end].float()
+    if k_exp is None:
+        k, v = k_cache[:b, :, :end].float(), v_cache[:b, :, :end].float()
+    else:
+        k = dequantize_kv(k_cache[:b, :, :end], k_exp[:b, :, :end])
+        v = dequantize_kv(v_cache[:b, :, :end], v_exp[:b, :, :end])
     qg = q.float().view(b, nkv, nh // nkv, d)
     scores = torch.einsum("bhgd,bhld->bhgl", qg, k) * sm_scale
     slots = torch.arange(end, device=q.device)
@@ -130,10 +143,42 @@ if triton is not None:
         return x1 * c - x2 * s, x2 * c + x1 * s
 
     @triton.jit
+    def _e4m3_round(y):
+        """y (fp32, |y| <= 448) rounded to nearest-even on e4m3's 3 mantissa bits in the normal
+        range, so the cast after it is exact (the interpreter's cast drops carries); e4m3
+        subnormals (|y| < 2**-6) are left to the cast."""
+        bits = y.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576   # clear 20 low mantissa bits
+        return tl.where(tl.abs(y) >= 0.015625, bits.to(tl.float32, bitcast=True), y)
+
+    @triton.jit
+    def _store_kv(dst, exp_dst, y1, y2, HALF: tl.constexpr, FP8_KV: tl.constexpr):
+        """Write one head's halves (fp32): in dst's dtype, or as e4m3 bytes + scale exponent."""
+        d = tl.arange(0, HALF)
+        if FP8_KV:
+            amax = tl.maximum(tl.maximum(tl.max(tl.abs(y1), axis=0), tl.max(tl.abs(y2), axis=0)),
+                              1e-30)
+            # scale = 2**ceil(log2(amax / 448)) from the bits of amax / 448 (exact, as torch's
+            # frexp in kvcache.quantize_kv); exp is its biased exponent, 1 / scale is exact.
+            rbits = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
+            exp = ((rbits >> 23) & 0xFF) + ((rbits & 0x7FFFFF) != 0).to(tl.int32)
+            inv = ((254 - exp) << 23).to(tl.float32, bitcast=True)
+            q1 = _e4m3_round(tl.minimum(tl.maximum(y1 * inv, -448.0), 448.0))
+            q2 = _e4m3_round(tl.minimum(tl.maximum(y2 * inv, -448.0), 448.0))
+            tl.store(dst + d, q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+            tl.store(dst + HALF + d, q2.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+            tl.store(exp_dst, exp.to(tl.uint8))
+        else:
+            ty = dst.dtype.element_ty
+            tl.store(dst + d, y1.to(ty))
+            tl.store(dst + HALF + d, y2.to(ty))
+
+    @triton.jit
     def _qk_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, start_ptr, pos_ptr,
-                              q_ptr, kc_ptr, vc_ptr, eps, stride_qkv, stride_cb, stride_ch,
-                              NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-                              HALF: tl.constexpr):
+                              q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, eps, stride_qkv, stride_cb,
+                              stride_ch, stride_eb, stride_eh, NH: tl.constexpr,
+                              NKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                              FP8_KV: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)  # b x cache stride can pass 2^31 for big caches
         h = tl.program_id(1)
         d = tl.arange(0, HALF)
@@ -152,18 +197,18 @@ if triton is not None:
             tl.store(dst + HALF + d, y2.to(out_ty))
         elif h < NH + NKV:
             y1, y2 = _head_norm_rope(x1, x2, kn_ptr, c, s, eps, D, HALF)
-            dst = kc_ptr + b * stride_cb + (h - NH) * stride_ch + pos * D
-            tl.store(dst + d, y1.to(out_ty))
-            tl.store(dst + HALF + d, y2.to(out_ty))
+            _store_kv(kc_ptr + b * stride_cb + (h - NH) * stride_ch + pos * D,
+                      ke_ptr + b * stride_eb + (h - NH) * stride_eh + pos, y1, y2, HALF, FP8_KV)
         else:
-            dst = vc_ptr + b * stride_cb + (h - NH - NKV) * stride_ch + pos * D
-            tl.store(dst + d, x1.to(out_ty))
-            tl.store(dst + HALF + d, x2.to(out_ty))
+            _store_kv(vc_ptr + b * stride_cb + (h - NH - NKV) * stride_ch + pos * D,
+                      ve_ptr + b * stride_eb + (h - NH - NKV) * stride_eh + pos, x1, x2, HALF,
+                      FP8_KV)
 
     @triton.jit
-    def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, start_ptr, pos_ptr, sm_scale,
-                            stride_cb, stride_ch, G: tl.constexpr, GP: tl.constexpr,
-                            NH: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr):
+    def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, o_ptr, start_ptr, pos_ptr,
+                            sm_scale, stride_cb, stride_ch, stride_eb, stride_eh,
+                            G: tl.constexpr, GP: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
+                            BLOCK_L: tl.constexpr, FP8_KV: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         hk = tl.program_id(1)
         start = tl.load(start_ptr + b)
@@ -176,19 +221,32 @@ if triton is not None:
         l_sum = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, D), tl.float32)
         base = b * stride_cb + hk * stride_ch
+        e_base = b * stride_eb + hk * stride_eh
         # Every block visited holds at least one valid slot, so m never stays -inf.
         for l0 in range((start // BLOCK_L) * BLOCK_L, end, BLOCK_L):
             slots = l0 + tl.arange(0, BLOCK_L)
             valid = (slots >= start) & (slots < end)
             offs = base + slots[:, None] * D + d[None, :]
-            k = tl.load(kc_ptr + offs, mask=valid[:, None], other=0.0)
-            v = tl.load(vc_ptr + offs, mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * sm_scale
+            k = tl.load(kc_ptr + offs, mask=valid[:, None], other=0)
+            v = tl.load(vc_ptr + offs, mask=valid[:, None], other=0)
+            if FP8_KV:  # e4m3 -> q's dtype is exact; the token scales go onto s and p
+                k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+                v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+                e_offs = e_base + slots
+                k_sc = (tl.load(ke_ptr + e_offs, mask=valid, other=0).to(tl.int32) << 23).to(
+                    tl.float32, bitcast=True)
+                v_sc = (tl.load(ve_ptr + e_offs, mask=valid, other=0).to(tl.int32) << 23).to(
+                    tl.float32, bitcast=True)
+                s = tl.dot(q, tl.trans(k)) * (k_sc * sm_scale)[None, :]
+            else:
+                s = tl.dot(q, tl.trans(k)) * sm_scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            if FP8_KV:
+                p = p * v_sc[None, :]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         out = acc / l_sum[:, None]
@@ -275,32 +333,46 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor
 def qk_norm_rope_cache(qkv: torch.Tensor, qn_w: torch.Tensor, kn_w: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor,
                        pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       nh: int, nkv: int, eps: float, impl: str = "torch") -> torch.Tensor:
-    """q (B, NH, D); writes k, v of every row into slot `pos` of k_cache / v_cache (B', NKV, L, D)."""
+                       nh: int, nkv: int, eps: float, impl: str = "torch",
+                       k_exp: torch.Tensor | None = None, v_exp: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+    """q (B, NH, D); writes k, v of every row into slot `pos` of k_cache / v_cache (B', NKV, L, D).
+    FP8 caches (e4m3) come with their scale exponents k_exp / v_exp (B', NKV, L) uint8."""
     if impl == "torch":
-        return _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, eps)
+        return _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, eps,
+                         k_exp, v_exp)
     b = qkv.shape[0]
     d = qn_w.shape[0]
     q = torch.empty(b, nh, d, dtype=qkv.dtype, device=qkv.device)
+    fp8 = k_exp is not None
+    kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
+    ke, ve = (k_exp, v_exp) if fp8 else (kc, vc)
     _qk_rope_cache_kernel[(b, nh + 2 * nkv)](
-        qkv, qn_w, kn_w, cos, sin, start, pos, q, k_cache, v_cache, eps, qkv.stride(0),
-        k_cache.stride(0), k_cache.stride(1), NH=nh, NKV=nkv, D=d, HALF=d // 2)
+        qkv, qn_w, kn_w, cos, sin, start, pos, q, kc, vc, ke, ve, eps, qkv.stride(0),
+        k_cache.stride(0), k_cache.stride(1), ke.stride(0), ke.stride(1), NH=nh, NKV=nkv, D=d,
+        HALF=d // 2, FP8_KV=fp8)
     return q
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      start: torch.Tensor, pos: torch.Tensor, sm_scale: float,
-                     impl: str = "torch", block_l: int = 64) -> torch.Tensor:
-    """(B, NH, D) attention output of one query per row over slots [start[b], pos]."""
+                     impl: str = "torch", block_l: int = 64, k_exp: torch.Tensor | None = None,
+                     v_exp: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, NH, D) attention output of one query per row over slots [start[b], pos]; FP8 caches
+    with their scale exponents (see `qk_norm_rope_cache`)."""
     if impl == "torch":
-        return _attention_torch(q, k_cache, v_cache, start, pos, sm_scale)
+        return _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp, v_exp)
     b, nh, d = q.shape
     nkv = k_cache.shape[1]
     g = nh // nkv
     out = torch.empty_like(q)
-    _decode_attn_kernel[(b, nkv)](q, k_cache, v_cache, out, start, pos, sm_scale,
-                                  k_cache.stride(0), k_cache.stride(1), G=g,
-                                  GP=max(16, _next_pow2(g)), NH=nh, D=d, BLOCK_L=block_l)
+    fp8 = k_exp is not None
+    kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
+    ke, ve = (k_exp, v_exp) if fp8 else (kc, vc)
+    _decode_attn_kernel[(b, nkv)](q, kc, vc, ke, ve, out, start, pos, sm_scale,
+                                  k_cache.stride(0), k_cache.stride(1), ke.stride(0),
+                                  ke.stride(1), G=g, GP=max(16, _next_pow2(g)), NH=nh, D=d,
+                                  BLOCK_L=block_l, FP8_KV=fp8)
     return out
 
 

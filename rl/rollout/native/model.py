@@ -9,7 +9,9 @@ device tensor and never syncs with the host, so it can be captured in a CUDA gra
 
 Numerics: norms, rotary and softmax in fp32; GEMMs in the model dtype (bf16 on GPU, fp32 on CPU)
 with fp32 accumulation; FP8 weights are dequantised inside the GEMM (see `rl.rollout.native.kernels`).
-Embeddings, LM head, router and norms stay in the model dtype.
+Embeddings, LM head, router and norms stay in the model dtype. With `kv_fp8` the cache holds e4m3
+K/V with per-token scales (`rl.rollout.native.kvcache`): decode reads them, prefill attends over
+its own full-precision K/V.
 
 Leaves out: sliding-window attention, attention biases, rope scaling (raise at build time).
 """
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 
 from rl.quant.policy import KeepPolicy, as_policy
 from rl.rollout.native import kernels as K
+from rl.rollout.native.kvcache import KVCache
 from rl.rollout.native.weights import LinearSlot, Target, resolve_name
 
 SUPPORTED = ("qwen3", "qwen3_moe")
@@ -91,9 +94,9 @@ class NativeQwen3:
 
     def __init__(self, shape: Shape, device: torch.device, dtype: torch.dtype, fp8: bool,
                  keep: KeepPolicy | Sequence[str] | None, max_len: int, impl: str,
-                 pow2: bool = False):
+                 pow2: bool = False, kv_fp8: bool = False):
         self.s, self.device, self.dtype, self.impl, self.max_len = shape, device, dtype, impl, max_len
-        self.fp8 = fp8
+        self.fp8, self.kv_fp8 = fp8, kv_fp8
         self.routes: dict[int, torch.Tensor] = {}
         """MoE layer -> (T, top_k) expert ids of the last forward through it."""
         policy = as_policy(keep)
@@ -134,7 +137,7 @@ class NativeQwen3:
                                                    device=device) / s.head_dim))
         freqs = torch.arange(max_len, dtype=torch.float64, device=device)[:, None] * inv[None, :]
         self.cos, self.sin = freqs.cos().float().contiguous(), freqs.sin().float().contiguous()
-        self.k_cache = self.v_cache = None
+        self.cache: KVCache | None = None
         self.cache_rows = 0
         self._targets: dict[str, Target] = {}
 
@@ -215,12 +218,22 @@ class NativeQwen3:
         if self.cache_rows >= rows:
             return False
         s = self.s
-        self.k_cache = self.v_cache = None  # free the old one first
-        dims = (s.layers, rows, s.nkv, self.max_len, s.head_dim)
-        self.k_cache = torch.zeros(dims, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(dims, dtype=self.dtype, device=self.device)
+        self.cache = None  # free the old one first
+        self.cache = KVCache(s.layers, rows, s.nkv, self.max_len, s.head_dim, self.dtype,
+                             self.device, self.kv_fp8)
         self.cache_rows = rows
         return True
+
+    def cache_bytes(self, rows: int) -> int:
+        """Bytes of a cache for `rows` sequences of max_len (the planner's per-token formula)."""
+        s = self.s
+        per_token = KVCache.bytes_per_token(s.layers, s.nkv, s.head_dim,
+                                            torch.finfo(self.dtype).bits // 8, self.kv_fp8)
+        return rows * self.max_len * per_token
+
+    def max_cache_rows(self, budget_bytes: float) -> int:
+        """Sequences of max_len whose cache fits in `budget_bytes`."""
+        return int(budget_bytes // self.cache_bytes(1))
 
     # ---- building blocks -----------------------------------------------------------------
     def linear(self, x: torch.Tensor, key: str) -> torch.Tensor:
@@ -293,8 +306,7 @@ class NativeQwen3:
             k = K._rope_torch(K._rmsnorm_torch(k, self.tensors[p + "k_norm"], s.eps)[0], cos, sin)
             q, k, v = q.to(self.dtype), k.to(self.dtype), v.to(self.dtype)
             if write_cache:
-                self.k_cache[i, :b, :, :width] = k
-                self.v_cache[i, :b, :, :width] = v
+                self.cache.write(i, k, v)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
                                                scale=s.head_dim ** -0.5, enable_gqa=True)
             a = a.transpose(1, 2).reshape(b * width, s.nh * s.head_dim)
@@ -325,11 +337,12 @@ class NativeQwen3:
             p = f"layers.{i}."
             h, resid = K.rmsnorm(x, self.tensors[p + "ln1"], s.eps, resid, impl)
             qkv = self.linear(h, p + "qkv")
+            kc, vc, ke, ve = self.cache.layer(i)
             q = K.qk_norm_rope_cache(qkv, self.tensors[p + "q_norm"], self.tensors[p + "k_norm"],
-                                     self.cos, self.sin, start, pos, self.k_cache[i],
-                                     self.v_cache[i], s.nh, s.nkv, s.eps, impl)
-            a = K.decode_attention(q, self.k_cache[i], self.v_cache[i], start, pos,
-                                   s.head_dim ** -0.5, impl)
+                                     self.cos, self.sin, start, pos, kc, vc, s.nh, s.nkv, s.eps,
+                                     impl, ke, ve)
+            a = K.decode_attention(q, kc, vc, start, pos, s.head_dim ** -0.5, impl, k_exp=ke,
+                                   v_exp=ve)
             o = self.linear(a.view(b, s.nh * s.head_dim), p + "o")
             h, resid = K.rmsnorm(o, self.tensors[p + "ln2"], s.eps, resid, impl)
             x = self.mlp(h, i)

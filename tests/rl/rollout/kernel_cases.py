@@ -68,6 +68,34 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
     a = K.decode_attention(q, *caches, start, pos, d ** -0.5, "triton", block_l=16)
     assert torch.isfinite(a[1]).all(), "NaN leaked from a slot before start"
 
+    # FP8 KV cache: earlier slots quantised from the caches above, then slot pos + 1 written
+    # by each implementation (e4m3 bytes + scale exponents) and attended over.
+    from rl.rollout.native.kvcache import dequantize_kv, quantize_kv
+    caches[1][1, :, 2] = 0.0
+    pos8 = pos + 1
+    f8 = [list(quantize_kv(c)) for c in caches]
+    f8_ref = [[x.clone() for x in pair] for pair in f8]
+    args = (qkv, qn, kn, cos, sin, start, pos8)
+    q8 = K.qk_norm_rope_cache(*args, f8[0][0], f8[1][0], nh, nkv, 1e-6, "triton", f8[0][1],
+                              f8[1][1])
+    K.qk_norm_rope_cache(*args, f8_ref[0][0], f8_ref[1][0], nh, nkv, 1e-6, "torch",
+                         f8_ref[0][1], f8_ref[1][1])
+    for name, (x8, e), (x8_ref, e_ref), full in zip("kv", f8, f8_ref, ref_caches):
+        slot = (slice(None, b), slice(None), int(pos8))
+        assert (e[slot] == e_ref[slot]).all(), f"fp8 {name} scale exponents differ"
+        close(f"fp8 {name} cache write", dequantize_kv(x8[slot], e[slot]),
+              dequantize_kv(x8_ref[slot], e_ref[slot]), 2e-3 * tl_scale)
+    for block_l in (16, 64):
+        a = K.decode_attention(q8, f8_ref[0][0], f8_ref[1][0], start, pos8, d ** -0.5, "triton",
+                               block_l, f8_ref[0][1], f8_ref[1][1])
+        a0 = K.decode_attention(q8, f8_ref[0][0], f8_ref[1][0], start, pos8, d ** -0.5, "torch",
+                                k_exp=f8_ref[0][1], v_exp=f8_ref[1][1])
+        close(f"fp8 kv decode attention block_l={block_l}", a, a0, 5e-3 * tl_scale)
+    f8_ref[1][0].view(torch.uint8)[1, :, 2] = 0x7F   # e4m3 NaN in a slot before start[1]
+    a = K.decode_attention(q8, f8_ref[0][0], f8_ref[1][0], start, pos8, d ** -0.5, "triton", 16,
+                           f8_ref[0][1], f8_ref[1][1])
+    assert torch.isfinite(a[1]).all(), "NaN leaked from an fp8 slot before start"
+
     gu = r(7, 2 * 80).to(DT)
     close("silu_mul", K.silu_mul(gu, "triton"), K.silu_mul(gu, "torch"), 2e-3 * tl_scale)
 

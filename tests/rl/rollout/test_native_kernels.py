@@ -18,3 +18,4 @@ def test_triton_kernels_match_torch_references_in_the_interpreter():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
     assert "decode attention block_l=16" in proc.stdout and "grouped fp8" in proc.stdout
+    assert "fp8 kv decode attention block_l=16" in proc.stdout
