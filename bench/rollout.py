@@ -1,5 +1,6 @@
-"""Rollout throughput: native engine (FP8 and BF16 weights) vs HF `generate` (BF16) vs the decode
-roofline, on random Qwen3-0.6B-shaped and small Qwen3-MoE-shaped models, one GPU.
+"""Rollout throughput: native engine (FP8 and BF16 weights, BF16 or FP8 KV cache) vs HF `generate`
+(BF16) vs the decode roofline, on random Qwen3-0.6B-shaped and small Qwen3-MoE-shaped models, one
+GPU; and how many sequences each native configuration holds in the same memory.
 
 Every configuration: `--batches` prompts of `--prompt-len` random tokens, exactly `new` sampled
 tokens each (temperature 1, no EOS), tokens/s = batch x new / wall time of the whole call
@@ -10,7 +11,12 @@ Roofline (per configuration, for that engine's weight format): prefill at max(FL
 bf16 matmul peak, weight bytes / bandwidth), plus every decode step at (weight bytes read + KV
 cache bytes read for every row's context) / measured copy bandwidth (bytes read + written per
 second of a device-to-device copy). MoE: all experts count as read (at these batch sizes every
-expert receives tokens).
+expert receives tokens). KV bytes are the engine's own (1 B + a 1-byte scale per 128 with FP8).
+
+Max sequences: in one budget per model, `--mem-fraction` of the GPU's memory minus the engine's
+weights and `--overhead-gb`, how many sequences of prompt + max(new) tokens the engine's KV cache
+holds (`NativeQwen3.max_cache_rows`, the memory planner's formula); the cache of that many rows
+is then really allocated (its GB are reported).
 
 Run: python -m bench.rollout
 """
@@ -31,12 +37,14 @@ def _ints(text: str) -> list[int]:
 
 
 def roofline_seconds(shape, weight_bytes: int, batch: int, prompt: int, new: int, bw: float,
-                     peak: float) -> float:
-    """Lower bound on generate time (see the module docstring). bw in B/s, peak in FLOP/s."""
+                     peak: float, kv_token: float | None = None) -> float:
+    """Lower bound on generate time (see the module docstring). bw in B/s, peak in FLOP/s;
+    kv_token: KV bytes per token of context, all layers (None: bf16 K and V)."""
     s = shape
     embed = s.vocab * s.hidden * 2
     w_step = weight_bytes - (0 if s.tied else embed)   # the embedding table is not read whole
-    kv_token = s.layers * 2 * s.nkv * s.head_dim * 2   # bf16 k + v per token, all layers
+    if kv_token is None:
+        kv_token = s.layers * 2 * s.nkv * s.head_dim * 2
     attn = s.hidden * (s.nh + 2 * s.nkv) * s.head_dim + s.nh * s.head_dim * s.hidden
     mlp = [3 * s.hidden * (s.top_k * s.moe_inter if m else s.inter) for m in s.is_moe]
     body = s.layers * attn + sum(mlp)                  # active matmul params per token
@@ -76,6 +84,22 @@ def run_hf(model, prompts, new: int) -> float:
     return time.perf_counter() - t0
 
 
+def max_sequences(engine, budget: float) -> tuple[int, float]:
+    """(sequences of max_model_len whose cache fits in `budget` bytes, GB of that cache as
+    allocated). Drops the engine's graphs and cache: call it last."""
+    model = engine.model
+    rows = model.max_cache_rows(budget)
+    engine.shutdown()                      # the captured graphs point into the old cache
+    model.cache, model.cache_rows = None, 0
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    model.ensure_cache(rows)
+    c = model.cache
+    got = sum(t.numel() * t.element_size() for t in (c.k, c.v, c.k_exp, c.v_exp) if t is not None)
+    model.cache, model.cache_rows = None, 0
+    return rows, got / 1e9
+
+
 def main() -> None:
     from rl.config import RolloutConfig
     from rl.models.name_maps import full_state_for_engine
@@ -86,7 +110,9 @@ def main() -> None:
         p.add_argument("--batches", default="64,256"), p.add_argument("--new", default="128,1024"),
         p.add_argument("--prompt-len", type=int, default=128),
         p.add_argument("--models", default="dense,moe"),
-        p.add_argument("--hf-max-new", type=int, default=128)))
+        p.add_argument("--hf-max-new", type=int, default=128),
+        p.add_argument("--mem-fraction", type=float, default=0.85),
+        p.add_argument("--overhead-gb", type=float, default=5.0)))
     gpu = not args.smoke
     device = "cuda" if gpu else "cpu"
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -98,6 +124,8 @@ def main() -> None:
               "moe": ("qwen3_moe", QWEN3_MOE_SMALL if gpu else TINY_MOE, "Qwen3-MoE-small")}
     rows = []
     g = torch.Generator().manual_seed(0)
+    if not gpu:
+        args.overhead_gb = 0.0
     info = {**device_info(), "copy_GBps": bw / 1e9, "bf16_peak_TFLOPs": peak / 1e12}
     notes = [f"prompts: {prompt_len} random tokens; sampling temperature 1, no EOS, exactly "
              "new_tokens per sequence; tokens/s counts new tokens over the whole generate call",
@@ -106,20 +134,32 @@ def main() -> None:
              "roofline: prefill max(FLOPs/peak, bytes/bw) + per decode step (weights + every "
              "row's KV context) / bw, for that engine's own weight bytes",
              f"HF generate runs only up to {args.hf_max_new} new tokens (device-time budget)",
-             "targets (0.6B, batch 256): native FP8 >= 4x HF generate; >= 35% of roofline"]
+             f"max_seqs: sequences of {prompt_len} + {max(news)} tokens in {args.mem_fraction} x "
+             f"GPU memory - weights - {args.overhead_gb:g} GB (the cache is allocated; cache_GB)",
+             "vs_native_bf16: tokens/s over native bf16 (BF16 weights and KV cache) at the same "
+             "model, batch and length",
+             "targets (0.6B, batch 256): native FP8 >= 4x HF generate; >= 35% of roofline; "
+             "FP8 weights + FP8 KV >= 1.5x native bf16 at 1024 new tokens; ~2x max_seqs"]
+    columns = ["model", "engine", "batch", "new_tokens", "seconds", "tokens_per_s", "vs_HF",
+               "vs_native_bf16", "roofline_tokens_per_s", "fraction_of_roofline", "weight_GB",
+               "max_seqs", "cache_GB"]
+    total_mem = (torch.cuda.get_device_properties(0).total_memory if gpu else 2 ** 30)
 
     def save(row: dict) -> None:  # after every row, so a time limit leaves partial results
         rows.append(row)
         print(row, flush=True)
         for r in rows:  # speed-up over HF at the same model / batch / length
             base = [h for h in rows if h["engine"].startswith("HF") and h["model"] == r["model"]
-                    and h["batch"] == r["batch"] and h["new_tokens"] == r["new_tokens"]]
+                    and h["batch"] == r.get("batch") and h["new_tokens"] == r.get("new_tokens")]
             if base and isinstance(base[0].get("tokens_per_s"), float) and "tokens_per_s" in r:
                 r["vs_HF"] = r["tokens_per_s"] / base[0]["tokens_per_s"]
+            base = [h for h in rows if h["engine"] == "native bf16" and h["model"] == r["model"]
+                    and h.get("batch") == r.get("batch")
+                    and h.get("new_tokens") == r.get("new_tokens")]
+            if base and "tokens_per_s" in base[0] and isinstance(r.get("tokens_per_s"), float):
+                r["vs_native_bf16"] = r["tokens_per_s"] / base[0]["tokens_per_s"]
         write_results("rollout" + ("_smoke" if args.smoke else ""), args.out, info, rows,
-                      ["model", "engine", "batch", "new_tokens", "seconds", "tokens_per_s",
-                       "vs_HF", "roofline_tokens_per_s", "fraction_of_roofline", "weight_GB"],
-                      notes, quiet=True)
+                      columns, notes, quiet=True)
 
     for key in args.models.split(","):
         mtype, fields, label = shapes[key]
@@ -129,7 +169,8 @@ def main() -> None:
         state = full_state_for_engine(hf)
         prompts = {b: torch.randint(2, shape.vocab, (b, prompt_len), generator=g).tolist()
                    for b in batches}
-        for quant in ("fp8", "hf", "none"):
+        for quant, kv in (("fp8", "auto"), ("fp8", "fp8"), ("hf", None), ("none", "auto"),
+                          ("none", "fp8")):
             if quant == "hf":
                 hf_bytes = sum(t.numel() * t.element_size() for t in hf.parameters())
                 for b in batches:
@@ -147,29 +188,35 @@ def main() -> None:
                         save(row)
                 continue
             cfg = RolloutConfig(engine="native", quantization=quant, max_batch_size=max(batches),
-                                max_model_len=prompt_len + max(news), max_new_tokens=max(news))
+                                max_model_len=prompt_len + max(news), max_new_tokens=max(news),
+                                kv_cache_dtype=kv)
             engine = NativeEngine.from_config(config, cfg, device=device,
                                               dtype="bfloat16" if gpu else "float32")
             engine.load_weights(state, version=1)
             wbytes = engine.model.weight_bytes()
+            kv_token = engine.model.cache_bytes(1) / cfg.max_model_len
+            name = "native " + ("fp8" if quant == "fp8" else "bf16") + (
+                " + fp8 kv" if kv == "fp8" else "")
             for b in batches:
                 for new in news:
                     secs = run_native(engine, prompts[b], new)
-                    roof = roofline_seconds(shape, wbytes, b, prompt_len, new, bw, peak)
-                    save({"model": label, "engine": "native " + ("fp8" if quant == "fp8" else "bf16"),
+                    roof = roofline_seconds(shape, wbytes, b, prompt_len, new, bw, peak, kv_token)
+                    save({"model": label, "engine": name,
                           "batch": b, "new_tokens": new, "seconds": secs,
                           "tokens_per_s": b * new / secs, "roofline_tokens_per_s": b * new / roof,
                           "fraction_of_roofline": roof / secs, "weight_GB": wbytes / 1e9})
-            engine.shutdown()
+            budget = args.mem_fraction * total_mem - wbytes - args.overhead_gb * 1e9
+            seqs, cache_gb = max_sequences(engine, budget)
+            save({"model": label, "engine": name, "weight_GB": wbytes / 1e9, "max_seqs": seqs,
+                  "cache_GB": cache_gb})
             del engine
             gc.collect()
             torch.cuda.empty_cache() if gpu else None
         del hf, state
         gc.collect()
         torch.cuda.empty_cache() if gpu else None
-    write_results("rollout" + ("_smoke" if args.smoke else ""), args.out, info, rows,
-                  ["model", "engine", "batch", "new_tokens", "seconds", "tokens_per_s", "vs_HF",
-                   "roofline_tokens_per_s", "fraction_of_roofline", "weight_GB"], notes)
+    write_results("rollout" + ("_smoke" if args.smoke else ""), args.out, info, rows, columns,
+                  notes)
 
 if __name__ == "__main__":
     main()

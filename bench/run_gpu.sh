@@ -42,9 +42,9 @@ run() {  # run NAME LIMIT_S CMD...
 triton.__version__, 'gpus', torch.cuda.device_count())"; } >>"$LOG" 2>&1
 for s in $sections; do
     case $s in
-        tests_native) run tests_native 110 python3 -m pytest -q -p no:cacheprovider \
+        tests_native) run tests_native 200 python3 -m pytest -q -p no:cacheprovider \
             tests/gpu/test_native_gpu.py tests/rl/quant/test_fp8_gpu.py ;;
-        rollout) run rollout 230 python3 -m bench.rollout --out "$OUT" ;;
+        rollout) run rollout 400 python3 -m bench.rollout --out "$OUT" ;;
         sync) run weight_sync 90 python3 -m bench.weight_sync --out "$OUT" ;;
         tests_sync) run tests_sync 300 python3 -m pytest -q -p no:cacheprovider \
             tests/gpu/test_sync_gpu.py tests/gpu/test_rl_step_gpu.py ;;
