@@ -11,7 +11,7 @@ from rl.rollout.native.kvcache import KVCache, dequantize_kv, kv_scales, quantiz
 from rl.rollout.native.model import NativeQwen3, Shape
 
 # Qwen3-0.6B's attention (28 layers, 8 KV heads of 128), with a narrow residual stream and a
-# small vocabulary so the (zero) weights cost nothing.
+# small vocabulary.
 QWEN3_06B_KV = dict(vocab=256, hidden=128, layers=28, nh=16, nkv=8, head_dim=128, inter=256,
                     eps=1e-6, rope_theta=1e6, tied=True, is_moe=(False,) * 28)
 
@@ -40,7 +40,7 @@ def test_quantise_error_bound_and_scale_range():
     assert (err <= bound * (1 + 1e-6)).all()
     assert err.max() > 0 and torch.equal(dequantize_kv(x8, exp)[0, 0], x[0, 0])
     rel = err.norm() / x.norm()
-    assert 0.005 < rel < 0.04, rel                           # measured 0.018
+    assert 0.005 < rel < 0.05, rel                           # measured 0.028
 
 
 def test_decode_attention_over_fp8_cache_is_close_to_full_precision():
@@ -57,8 +57,7 @@ def test_decode_attention_over_fp8_cache_is_close_to_full_precision():
     ref = K.decode_attention(q, k, v, start, pos, d ** -0.5, "torch")
     out = K.decode_attention(q, k8, v8, start, pos, d ** -0.5, "torch", k_exp=ke, v_exp=ve)
     rel = ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-    print(rel)
-    assert 0 < rel < 0.06, rel                               # measured 0.02
+    assert 0 < rel < 0.06, rel                               # measured 0.039 (mean 0.030)
 
 
 def test_the_cache_holds_twice_the_sequences_and_the_planner_agrees(tmp_path):
@@ -66,8 +65,8 @@ def test_the_cache_holds_twice_the_sequences_and_the_planner_agrees(tmp_path):
     from rl.plan.memory import plan_rollout
 
     shape = Shape(**QWEN3_06B_KV)
-    models = {fp8: NativeQwen3(shape, torch.device("cpu"), torch.bfloat16, False, None, 1152,
-                               "torch", kv_fp8=fp8) for fp8 in (False, True)}
+    models = {fp8: NativeQwen3(shape, torch.device("meta"), torch.bfloat16, False, None, 1152,
+                               "torch", kv_fp8=fp8) for fp8 in (False, True)}   # no storage
     per_seq = {fp8: m.cache_bytes(1) for fp8, m in models.items()}
     # 2 x 8 heads x 28 layers x 1152 tokens x (128 B + 1 scale byte) vs 256 B of bf16.
     assert per_seq[True] == 2 * 8 * 28 * 1152 * 129 and per_seq[False] == 2 * 8 * 28 * 1152 * 256
