@@ -118,6 +118,8 @@ def _grouped_torch(x, w, scale, offs):
 # Triton kernels
 # ======================================================================================
 if triton is not None:
+    from rl.rollout.native.kvcache import store_kv
+
     @triton.jit
     def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, H, eps,
                         HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -143,37 +145,6 @@ if triton is not None:
         return x1 * c - x2 * s, x2 * c + x1 * s
 
     @triton.jit
-    def _e4m3_round(y):
-        """y (fp32, |y| <= 448) rounded to nearest-even on e4m3's 3 mantissa bits in the normal
-        range, so the cast after it is exact (the interpreter's cast drops carries); e4m3
-        subnormals (|y| < 2**-6) are left to the cast."""
-        bits = y.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576   # clear 20 low mantissa bits
-        return tl.where(tl.abs(y) >= 0.015625, bits.to(tl.float32, bitcast=True), y)
-
-    @triton.jit
-    def _store_kv(dst, exp_dst, y1, y2, HALF: tl.constexpr, FP8_KV: tl.constexpr):
-        """Write one head's halves (fp32): in dst's dtype, or as e4m3 bytes + scale exponent."""
-        d = tl.arange(0, HALF)
-        if FP8_KV:
-            amax = tl.maximum(tl.maximum(tl.max(tl.abs(y1), axis=0), tl.max(tl.abs(y2), axis=0)),
-                              1e-30)
-            # scale = 2**ceil(log2(amax / 448)) from the bits of amax / 448 (exact, as torch's
-            # frexp in kvcache.quantize_kv); exp is its biased exponent, 1 / scale is exact.
-            rbits = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
-            exp = ((rbits >> 23) & 0xFF) + ((rbits & 0x7FFFFF) != 0).to(tl.int32)
-            inv = ((254 - exp) << 23).to(tl.float32, bitcast=True)
-            q1 = _e4m3_round(tl.minimum(tl.maximum(y1 * inv, -448.0), 448.0))
-            q2 = _e4m3_round(tl.minimum(tl.maximum(y2 * inv, -448.0), 448.0))
-            tl.store(dst + d, q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
-            tl.store(dst + HALF + d, q2.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
-            tl.store(exp_dst, exp.to(tl.uint8))
-        else:
-            ty = dst.dtype.element_ty
-            tl.store(dst + d, y1.to(ty))
-            tl.store(dst + HALF + d, y2.to(ty))
-
-    @triton.jit
     def _qk_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, start_ptr, pos_ptr,
                               q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, eps, stride_qkv, stride_cb,
                               stride_ch, stride_eb, stride_eh, NH: tl.constexpr,
@@ -197,12 +168,12 @@ if triton is not None:
             tl.store(dst + HALF + d, y2.to(out_ty))
         elif h < NH + NKV:
             y1, y2 = _head_norm_rope(x1, x2, kn_ptr, c, s, eps, D, HALF)
-            _store_kv(kc_ptr + b * stride_cb + (h - NH) * stride_ch + pos * D,
-                      ke_ptr + b * stride_eb + (h - NH) * stride_eh + pos, y1, y2, HALF, FP8_KV)
+            store_kv(kc_ptr + b * stride_cb + (h - NH) * stride_ch + pos * D,
+                     ke_ptr + b * stride_eb + (h - NH) * stride_eh + pos, y1, y2, HALF, FP8_KV)
         else:
-            _store_kv(vc_ptr + b * stride_cb + (h - NH - NKV) * stride_ch + pos * D,
-                      ve_ptr + b * stride_eb + (h - NH - NKV) * stride_eh + pos, x1, x2, HALF,
-                      FP8_KV)
+            store_kv(vc_ptr + b * stride_cb + (h - NH - NKV) * stride_ch + pos * D,
+                     ve_ptr + b * stride_eb + (h - NH - NKV) * stride_eh + pos, x1, x2, HALF,
+                     FP8_KV)
 
     @triton.jit
     def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, o_ptr, start_ptr, pos_ptr,

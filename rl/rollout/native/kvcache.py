@@ -12,13 +12,20 @@ saturates. The decode attention kernel reads the bytes and folds the scales into
 (K) and the softmax weights (V); prefill attends over its own full-precision K and V.
 
 Error of one element (round to nearest e4m3): at most 2**-4 of its magnitude in e4m3's normal
-range, at most 2**-10 x scale below it (`quantize_kv`'s test checks both).
+range, at most 2**-10 x scale below it (`quantize_kv`'s test checks both). `store_kv` is the
+same quantiser inside the Triton cache-write kernel (tests/rl/rollout/kernel_cases.py compares).
 """
 from __future__ import annotations
 
 import torch
 
 from rl.plan.kv import KV_FP8_SCALE_BYTES, gqa_bytes_per_token
+
+try:  # Triton is optional: the CPU engine never needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
 
 FP8_MAX = 448.0
 _BIAS = 127
@@ -83,3 +90,37 @@ class KVCache:
             x8, e = quantize_kv(x)
             data[i, :b, :, :width] = x8
             exp[i, :b, :, :width] = e
+
+
+# The Triton side of `quantize_kv`, called by the cache-writing kernel in `kernels`.
+if triton is not None:
+    @triton.jit
+    def _e4m3_round(y):
+        """y (fp32, |y| <= 448) rounded to nearest-even on e4m3's 3 mantissa bits in the normal
+        range, so the cast after it is exact (the interpreter's cast drops carries); e4m3
+        subnormals (|y| < 2**-6) are left to the cast."""
+        bits = y.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576   # clear 20 low mantissa bits
+        return tl.where(tl.abs(y) >= 0.015625, bits.to(tl.float32, bitcast=True), y)
+
+    @triton.jit
+    def store_kv(dst, exp_dst, y1, y2, HALF: tl.constexpr, FP8_KV: tl.constexpr):
+        """Write one head's halves (fp32): in dst's dtype, or as e4m3 bytes + scale exponent."""
+        d = tl.arange(0, HALF)
+        if FP8_KV:
+            amax = tl.maximum(tl.maximum(tl.max(tl.abs(y1), axis=0), tl.max(tl.abs(y2), axis=0)),
+                              1e-30)
+            # scale = 2**ceil(log2(amax / 448)) from the bits of amax / 448 (exact, as torch's
+            # frexp in kvcache.quantize_kv); exp is its biased exponent, 1 / scale is exact.
+            rbits = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
+            exp = ((rbits >> 23) & 0xFF) + ((rbits & 0x7FFFFF) != 0).to(tl.int32)
+            inv = ((254 - exp) << 23).to(tl.float32, bitcast=True)
+            q1 = _e4m3_round(tl.minimum(tl.maximum(y1 * inv, -448.0), 448.0))
+            q2 = _e4m3_round(tl.minimum(tl.maximum(y2 * inv, -448.0), 448.0))
+            tl.store(dst + d, q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+            tl.store(dst + HALF + d, q2.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+            tl.store(exp_dst, exp.to(tl.uint8))
+        else:
+            ty = dst.dtype.element_ty
+            tl.store(dst + d, y1.to(ty))
+            tl.store(dst + HALF + d, y2.to(ty))
