@@ -219,6 +219,13 @@ class NativeQwen3:
             return False
         s = self.s
         self.cache = None  # free the old one first
+        free = self._free_bytes()
+        if free is not None and self.cache_bytes(rows) > free:
+            raise ValueError(
+                f"rollout.max_batch_size: a KV cache for {rows} sequences of max_model_len "
+                f"{self.max_len} needs {self.cache_bytes(rows) / 2**30:.1f} GiB, "
+                f"{free / 2**30:.1f} GiB are free: at most {self.max_cache_rows(free)} fit"
+                + ("" if self.kv_fp8 else " (rollout.kv_cache_dtype: fp8 holds 1.98x)"))
         self.cache = KVCache(s.layers, rows, s.nkv, self.max_len, s.head_dim, self.dtype,
                              self.device, self.kv_fp8)
         self.cache_rows = rows
@@ -230,6 +237,14 @@ class NativeQwen3:
         per_token = KVCache.bytes_per_token(s.layers, s.nkv, s.head_dim,
                                             torch.finfo(self.dtype).bits // 8, self.kv_fp8)
         return rows * self.max_len * per_token
+
+    def _free_bytes(self) -> int | None:
+        """Device bytes a new allocation can take (None off CUDA: no check)."""
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
+            self.device)
 
     def max_cache_rows(self, budget_bytes: float) -> int:
         """Sequences of max_len whose cache fits in `budget_bytes`."""

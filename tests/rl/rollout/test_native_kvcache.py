@@ -73,6 +73,11 @@ def test_the_cache_holds_twice_the_sequences_and_the_planner_agrees(tmp_path):
     budget = 100 * 2 ** 30
     rows = {fp8: m.max_cache_rows(budget) for fp8, m in models.items()}
     assert rows == {False: 812, True: 1612} and rows[True] >= 1.98 * rows[False]
+    # A cache that does not fit names the setting and how many rows would (GPU free memory).
+    models[False]._free_bytes = lambda: 5.5 * per_seq[False]
+    with pytest.raises(ValueError, match=r"rollout.max_batch_size: a KV cache for 8 sequences "
+                                         r".* at most 5 fit \(rollout.kv_cache_dtype: fp8"):
+        models[False].ensure_cache(8)
     # What the allocation really takes.
     cache = KVCache(2, 3, 8, 16, 128, torch.bfloat16, torch.device("cpu"), fp8=True)
     allocated = sum(t.numel() * t.element_size() for t in (cache.k, cache.v, cache.k_exp,
