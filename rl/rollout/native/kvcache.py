@@ -110,10 +110,12 @@ if triton is not None:
         if FP8_KV:
             amax = tl.maximum(tl.maximum(tl.max(tl.abs(y1), axis=0), tl.max(tl.abs(y2), axis=0)),
                               1e-30)
-            # scale = 2**ceil(log2(amax / 448)) from the bits of amax / 448 (exact, as torch's
-            # frexp in kvcache.quantize_kv); exp is its biased exponent, 1 / scale is exact.
-            rbits = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
-            exp = ((rbits >> 23) & 0xFF) + ((rbits & 0x7FFFFF) != 0).to(tl.int32)
+            # scale = 2**ceil(log2(amax / 448)) from amax's bits, no division: amax = m * 2**E,
+            # m in [1, 2), 448 = 1.75 * 2**8, so the exponent is E - 8, + 1 when m > 1.75
+            # (mantissa field > 0x600000). Equal to quantize_kv's frexp of the rounded quotient
+            # (a quotient within half an ulp of a power of two cannot come from a 24-bit amax).
+            abits = amax.to(tl.int32, bitcast=True)
+            exp = ((abits >> 23) & 0xFF) - 8 + ((abits & 0x7FFFFF) > 0x600000).to(tl.int32)
             inv = ((254 - exp) << 23).to(tl.float32, bitcast=True)
             q1 = _e4m3_round(tl.minimum(tl.maximum(y1 * inv, -448.0), 448.0))
             q2 = _e4m3_round(tl.minimum(tl.maximum(y2 * inv, -448.0), 448.0))
