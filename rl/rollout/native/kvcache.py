@@ -36,7 +36,7 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.detach().abs().amax(-1).float().clamp(min=1e-30)
     mant, exp = torch.frexp(amax / FP8_MAX)                  # r = mant * 2**exp, mant in [.5, 1)
     exp = torch.where(mant == 0.5, exp - 1, exp)             # ceil(log2(r)): 2**exp >= r
-    y = torch.ldexp(x.float(), -exp[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    y = (x.float() * kv_scales(_BIAS - exp)[..., None]).clamp(-FP8_MAX, FP8_MAX)  # / 2**exp
     return y.to(torch.float8_e4m3fn), (exp + _BIAS).to(torch.uint8)
 
 
