@@ -60,7 +60,7 @@ def test_decode_attention_over_fp8_cache_is_close_to_full_precision():
     assert 0 < rel < 0.06, rel                               # measured 0.039 (mean 0.030)
 
 
-def test_the_cache_holds_twice_the_sequences_and_the_planner_agrees(tmp_path):
+def test_the_cache_holds_twice_the_sequences_and_the_planner_agrees():
     from rl.plan import arch
     from rl.plan.memory import plan_rollout
 
