@@ -119,7 +119,9 @@ def kv_cache_kl(model_dir, device: str, dtype: str, batch: int = 16, new: int = 
 
     def make(**kw):
         cfg = RolloutConfig(engine="native", max_model_len=256, max_batch_size=batch, **kw)
-        return NativeEngine(model_dir, cfg, dtype=dtype, device=device)
+        eng = NativeEngine(model_dir, cfg, dtype=dtype, device=device)
+        eng.eos_ids = []  # every row runs `new` steps: the random models sample EOS early on GPU
+        return eng
     g = torch.Generator().manual_seed(2)
     prompts = torch.randint(2, 2048, (batch, 64), generator=g).tolist()
     sp = SamplingParams(temperature=1.0, max_new_tokens=new, seed=4)
