@@ -134,6 +134,16 @@ def test_rollout_side_with_fp4_experts_is_the_published_layout_vllm_v4_loads(pub
             assert tuple(scale.shape) == (-(-n // 128), -(-k // 128)), name
     assert mapped["embed.weight"] == "model.embed_tokens.weight"
 
+    # launch.submit refuses it as a rollout.model_path: the weight sync sends FP8 experts.
+    from launch.checks import check_rollout_checkpoint_or_exit
+    from rl.config import load_config
+
+    cfg = load_config(str(Path(__file__).resolve().parents[3] / "configs" / "local.yaml"),
+                      [f"rollout.model_path={out}"])
+    with pytest.raises(SystemExit) as exit_info:
+        check_rollout_checkpoint_or_exit(cfg)
+    assert exit_info.value.code == 2
+
 
 def test_load_model_refuses_a_quantized_checkpoint(published, tmp_path):
     with pytest.raises(ConfigError, match=r"quantized .*python -m launch\.convert"):

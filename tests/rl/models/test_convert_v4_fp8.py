@@ -150,3 +150,12 @@ def test_sync_stream_has_the_converters_layout_and_expert_bytes(fp8_side):
         if "routed_experts" in name:
             assert torch.equal(fp8_side["loaded"][0][name].view(torch.uint8),
                                fp8_side["loaded"][1][name].view(torch.uint8)), name
+
+
+def test_launch_submit_accepts_the_fp8_side_as_rollout_model_path(fp8_side):
+    from launch.checks import check_rollout_checkpoint_or_exit
+    from rl.config import load_config
+
+    cfg = load_config(str(ROOT / "configs" / "local.yaml"),
+                      [f"rollout.model_path={fp8_side['out']}"])
+    check_rollout_checkpoint_or_exit(cfg)  # exits 2 on MXFP4 experts
