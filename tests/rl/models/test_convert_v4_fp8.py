@@ -26,7 +26,6 @@ from safetensors.torch import load_file, save_file
 
 from launch.convert import main as convert_main
 from rl.config import SyncConfig
-from rl.models.convert import convert, open_source
 from rl.models.hf_classes import transformers_classes
 from rl.models.loading import load_model
 from rl.models.name_maps import checkpoint_state
@@ -159,3 +158,19 @@ def test_launch_submit_accepts_the_fp8_side_as_rollout_model_path(fp8_side):
     cfg = load_config(str(ROOT / "configs" / "local.yaml"),
                       [f"rollout.model_path={fp8_side['out']}"])
     check_rollout_checkpoint_or_exit(cfg)  # exits 2 on MXFP4 experts
+
+
+def test_fp8_side_resumes_and_reconverts_a_missing_part_to_the_same_bytes(fp8_side, capsys):
+    from rl.models.convert.writer import MANIFEST, sha256_file
+
+    out = fp8_side["out"]
+    before = {f: d for e in json.loads((out / MANIFEST).read_text())["shards"].values()
+              for f, d in e["files"].items()}
+    victim = sorted(before)[-1]
+    (out / victim).unlink()
+    capsys.readouterr()
+    convert_main([str(fp8_side["src"]), "--rollout-out", str(out), "--max-shard-gb", "0.001"])
+    lines = capsys.readouterr().out.splitlines()
+    assert sum("sha256 verified" in ln for ln in lines) == 2
+    assert any(f"{victim}: missing" in ln for ln in lines)
+    assert sha256_file(out / victim) == before[victim]  # the requantisation is deterministic
