@@ -13,7 +13,8 @@ processing (which only repacks for its kernels).
 
 Every parameter is filled with a sentinel (NaN, or -1 for integers) before a stream is loaded:
 OUT_DIR/result.json {"params": {param: [shape, dtype]}, "streams": [{"unfilled": {param: count},
-"stream_elements": n, "param_elements": n, "loaded": [names load_weights reported]}]};
+"stream_elements": n, "param_elements": n, "loaded": [names load_weights reported]}],
+"engine_loads_block_fp8": bool (`rl.rollout.weights`' decision for this engine config)};
 OUT_DIR/loaded-I.safetensors: every parameter after stream I. Every parameter filled and as many
 parameter elements as stream elements means each streamed element landed in exactly one slot.
 A process of its own: vLLM's global state stays out of the test process.
@@ -35,7 +36,8 @@ def _mock_kernel_choice() -> None:
 
 
 def build_model(model_dir: str):
-    """vLLM's V4 model for `model_dir` with its own FP8 quant config (weights uninitialised)."""
+    """vLLM's V4 model for `model_dir` with its own FP8 quant config (weights uninitialised),
+    and the VllmConfig it was built with."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
     import vllm.v1.worker.cpu_worker  # noqa: F401 - installs the torch.cuda.Event stand-in
@@ -60,7 +62,7 @@ def build_model(model_dir: str):
             model = initialize_model(vllm_config=cfg)
         assert cfg.quant_config.expert_dtype == json.load(
             open(os.path.join(model_dir, "config.json")))["expert_dtype"]
-    return model
+    return model, cfg
 
 
 def _fill_sentinel(params) -> None:
@@ -79,11 +81,15 @@ def main(argv: list[str]) -> int:
     import torch
     from safetensors.torch import load_file, save_file
 
+    from rl.rollout.weights import engine_loads_block_fp8
+
     model_dir, out_dir, *streams = argv
-    model = build_model(model_dir)
+    model, cfg = build_model(model_dir)
     params = dict(model.named_parameters())
     result = {"params": {n: [list(p.shape), str(p.dtype).removeprefix("torch.")]
-                         for n, p in params.items()}, "streams": []}
+                         for n, p in params.items()}, "streams": [],
+              # what the sync's receiver decides for this engine (FP8 bytes as they are?)
+              "engine_loads_block_fp8": engine_loads_block_fp8(cfg)}
     for i, path in enumerate(streams):
         stream = load_file(path)
         _fill_sentinel(params)

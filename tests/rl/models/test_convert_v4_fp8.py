@@ -143,6 +143,8 @@ def test_sync_stream_has_the_converters_layout_and_expert_bytes(fp8_side):
         scale = name[:-len(".weight")]
         assert torch.equal(sync[name].view(torch.uint8), converted[name].view(torch.uint8)), name
         assert torch.equal(sync[scale + ".weight_scale_inv"], converted[scale + ".scale"]), name
+    # The sync's receiver takes the wire's FP8 bytes as they are for an engine built from it.
+    assert fp8_side["result"]["engine_loads_block_fp8"] is True
     stream = fp8_side["result"]["streams"][1]
     assert stream["unfilled"] == {} and stream["stream_elements"] == stream["param_elements"]
     for name in fp8_side["result"]["params"]:
