@@ -7,8 +7,8 @@ SRC is the published checkpoint directory (sharded safetensors, model.safetensor
 block-FP8 linears with ue8m0 `.scale`s, FP4 experts). `--trainer-out` gets BF16 (what
 `load_model` and DeepSpeed train); `--rollout-out` gets the FP8 layout vLLM's V4 model loads:
 with `--rollout-experts fp8` (the default, what the weight sync needs) the FP4 experts are
-requantised to block FP8 as the sync sends them (`expert_dtype: fp8`); with `fp4` the published
-tensors are copied unchanged (MXFP4 experts: no weight sync into it). One line per input shard.
+requantised, losslessly, to the block-FP8 layout the sync sends (`expert_dtype: fp8`); with
+`fp4` the published tensors are copied unchanged (MXFP4 experts: no weight sync into it). One line per input shard.
 Rerunning the same command resumes an interrupted conversion and re-verifies every finished
 shard's sha256 (a corrupt one is converted again). Leaves out: BF16 -> FP8 requantisation of a
 trained checkpoint, and tensor-parallel resharding (vLLM shards at load time).

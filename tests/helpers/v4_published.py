@@ -66,10 +66,10 @@ def ref_fp8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def ref_block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) fp32, N and K multiples of 128 -> (e4m3, fp32 (N/128, K/128) scales): one scale
-    per 128 x 128 block, amax / 448 rounded once to fp32 (an all-zero block: 1)."""
+    per 128 x 128 block, the power of two at or above amax / 448 (an all-zero block: 1)."""
     n, k = w.shape
     amax = w.double().reshape(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).float()
+    scale = pow2_up(amax / E4M3_MAX).float()
     full = scale[torch.arange(n) // 128][:, torch.arange(k) // 128]
     return (w.float() / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 

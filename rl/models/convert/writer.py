@@ -9,11 +9,11 @@ Targets:
     `expert_dtype: bf16`.
   * `rollout`: a layout vLLM 0.32's V4 FP8 model (`DeepseekV4FP8Config`) loads, with MTP, in
     one of two expert forms (`ROLLOUT_EXPERTS`):
-    - `fp8` (what the weight sync needs): the FP4 routed experts dequantised (exact) and
-      requantised to block FP8 exactly as the sync's wire does (`quantize_weight_block`, 128 x
-      128, fp32 scales amax / 448): `X.weight` e4m3 + `X.scale` fp32, vLLM's `expert_dtype:
-      fp8` layout (Fp8MoEMethod's `w13/w2_weight_scale_inv`). The FP8 linears keep their bytes;
-      their ue8m0 scales become fp32 (exact), the dtype vLLM allocates when the experts are FP8.
+    - `fp8` (what the weight sync needs): the FP4 routed experts requantised to block FP8 in
+      the sync wire's layout (`X.weight` e4m3 + `X.scale` fp32, one scale per 128 x 128 block),
+      vLLM's `expert_dtype: fp8` layout (Fp8MoEMethod's `w13/w2_weight_scale_inv`), losslessly
+      (see `fp4_as_block_fp8`). The FP8 linears keep their bytes; their ue8m0 scales become
+      fp32 (exact), the dtype vLLM allocates when the experts are FP8.
     - `fp4`: every tensor copied unchanged (MXFP4 experts, `expert_dtype: fp4`), which an engine
       fed by the weight sync cannot use (the wire carries FP8 experts).
 
@@ -94,12 +94,17 @@ class _Reader:
 def fp4_as_block_fp8(weight: torch.Tensor, scale: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 expert (packed e2m1 + ue8m0 per 32 inputs) -> (e4m3 (N, K), fp32 128 x 128 block
-    scales): the bytes the weight sync's wire sends for the same BF16 weight (the dequantisation
-    is exact in BF16, and both quantise with `quantize_weight_block`, non-power-of-two scales).
-    Exact unless a 128 x 128 block spans more than about 2^11 between its FP4 scales (then the
-    smallest values of that block round in e4m3)."""
+    scales), the layout the sync's wire sends.
+
+    The block scales are powers of two (2^ceil(log2(amax / 448))), so every e2m1 value (at most
+    two significant bits) times its power-of-two FP4 scale is exactly an e4m3 value times the
+    block scale: the engine starts from the published experts without loss, unless the FP4
+    scales within one 128 x 128 block span more than about 2^12 (then that block's smallest
+    values round in e4m3). The wire's own scales (amax / 448) would round most values once more;
+    the loop's first sync replaces these weights anyway, so only a standalone engine sees them.
+    """
     return quantize_weight_block(dequantize("fp4", weight, scale, DEFAULT_BLOCK, torch.float32),
-                                 DEFAULT_BLOCK)
+                                 DEFAULT_BLOCK, pow2=True)
 
 
 def _rollout_tensors(src: Source, reader: _Reader, name: str, experts: str):
