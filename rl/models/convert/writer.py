@@ -190,8 +190,8 @@ def _output_config(src: Source, target: str, experts: str) -> dict:
         config["torch_dtype"] = "bfloat16"
     elif experts == "fp8":
         # vLLM's DeepseekV4FP8Config: FP8 experts, fp32 linear scales (`is_scale_e8m0` off).
-        # `scale_fmt: ue8m0` would switch DeepGEMM to power-of-two scales, which the fp32
-        # scales written here (and the sync's) are not.
+        # `scale_fmt: ue8m0` would switch DeepGEMM to ue8m0 scales, which the sync's fp32
+        # amax / 448 scales are not.
         config["expert_dtype"] = "fp8"
         config["quantization_config"] = {k: v for k, v in config["quantization_config"].items()
                                          if k != "scale_fmt"}
