@@ -118,9 +118,10 @@ _PROBED_ON_CPU = {"deepseek_v4": "tiny-deepseek-v4"}
 
 def check_rollout_checkpoint_or_exit(cfg: Config) -> None:
     """Exit 2 when `rollout.model_path` is a DeepSeek-V4 checkpoint with MXFP4 experts (the
-    published layout `launch.convert --rollout-out` copies): the weight sync sends block-FP8
+    published one, or `launch.convert --rollout-experts fp4`): the weight sync sends block-FP8
     experts, which such an engine cannot load (`rl.rollout.weights.engine_loads_block_fp8`), so
-    the job would die at its first weight update, after the allocation started."""
+    the job would die at its first weight update, after the allocation started. FP8 experts
+    (`launch.convert --rollout-experts fp8`, the default) pass."""
     import json
     if cfg.rollout.model_path is None:
         return
@@ -132,10 +133,9 @@ def check_rollout_checkpoint_or_exit(cfg: Config) -> None:
     if hf.get("quantization_config") and mxfp4_experts(hf.get("model_type"),
                                                        hf.get("expert_dtype")):
         fail(f"config error: rollout.model_path: {cfg.rollout.model_path!r} holds MXFP4 experts "
-             "(config.json expert_dtype fp4); the weight sync sends block-FP8 experts, which that "
-             "engine cannot load, and launch.convert does not write FP8 experts yet: leave "
-             "rollout.model_path unset (vLLM then loads model.path) or give a checkpoint with "
-             "expert_dtype fp8")
+             "(config.json expert_dtype fp4, or none: vLLM's default); the weight sync sends "
+             "block-FP8 experts, which that engine cannot load: write the rollout checkpoint "
+             "with `python -m launch.convert SRC --rollout-out DIR --rollout-experts fp8`")
 
 
 def check_engine_or_exit(cfg: Config) -> None:

@@ -188,8 +188,9 @@ class RolloutConfig:
     model_path: str | None = None
     """vllm: the checkpoint the engine is built from and first loads (null: the trainer's
     model). DeepSeek-V4 on GPUs: the `python -m launch.convert SRC --rollout-out DIR` directory,
-    so vLLM builds its own V4 FP8 layout (block-FP8 linears, FP4 experts, from that
-    config.json's quantization_config) rather than quantising BF16 weights online."""
+    so vLLM builds its own V4 FP8 layout (block-FP8 linears and experts, from that
+    config.json's quantization_config and `expert_dtype: fp8`, the layout the weight sync
+    sends) rather than quantising BF16 weights online."""
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_ds_mla"] = "auto"
     """The engine's KV cache: `auto` (the engine's dtype: bf16 on GPUs, fp32 on CPU), `bfloat16`,
     `fp8` (e4m3 with scales: vllm, and native, whose cache then holds 1.98x the sequences in the

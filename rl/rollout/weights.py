@@ -112,7 +112,8 @@ def engine_loads_block_fp8(vllm_config) -> bool:
                      getattr(hf_config, "expert_dtype", None)):
         raise ValueError("weight sync: this DeepSeek-V4 engine holds MXFP4 experts "
                          "(expert_dtype fp4); the wire carries block-FP8 experts: build the "
-                         "rollout checkpoint with expert_dtype fp8")
+                         "rollout checkpoint with `python -m launch.convert SRC --rollout-out "
+                         "DIR --rollout-experts fp8`")
     return True
 
 

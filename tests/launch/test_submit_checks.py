@@ -218,17 +218,23 @@ def test_the_job_is_always_asked_to_resume(tmp_path, monkeypatch):
 def _v4_rollout_dir(tmp_path, expert_dtype):
     d = tmp_path / f"v4-{expert_dtype}"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "deepseek_v4", "expert_dtype": expert_dtype,
-        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    config = {"model_type": "deepseek_v4", "expert_dtype": expert_dtype,
+              "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    if expert_dtype is None:  # the published Flash config: vLLM's default, MXFP4
+        del config["expert_dtype"]
+    (d / "config.json").write_text(json.dumps(config))
     return d
 
 
-def test_v4_rollout_checkpoint_with_fp4_experts_is_refused_before_anything_starts(tmp_path):
-    # launch.convert's rollout side copies the published MXFP4 experts; the sync sends FP8 ones
-    d = _v4_rollout_dir(tmp_path, "fp4")
+@pytest.mark.parametrize("expert_dtype", ["fp4", None])
+def test_v4_rollout_checkpoint_with_fp4_experts_is_refused_before_anything_starts(
+        tmp_path, expert_dtype):
+    # The published checkpoint and `launch.convert --rollout-experts fp4` hold MXFP4 experts;
+    # the sync sends FP8 ones
+    d = _v4_rollout_dir(tmp_path, expert_dtype)
     proc = submit(f"output_dir={tmp_path}", "name=v4fp4", f"rollout.model_path={d}")
-    assert_refused_in_one_line(proc, "rollout.model_path", "MXFP4", "expert_dtype fp4")
+    assert_refused_in_one_line(proc, "rollout.model_path", "MXFP4", "expert_dtype fp4",
+                               "launch.convert SRC --rollout-out DIR --rollout-experts fp8")
 
 
 def test_v4_rollout_checkpoint_with_fp8_experts_passes_the_check(tmp_path):

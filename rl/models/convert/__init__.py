@@ -4,6 +4,6 @@
 `writer`: the resumable, checksummed shard-by-shard conversion into an output directory.
 """
 from rl.models.convert.source import ConvertError, Source, open_source
-from rl.models.convert.writer import TARGETS, convert
+from rl.models.convert.writer import ROLLOUT_EXPERTS, TARGETS, convert
 
-__all__ = ["ConvertError", "Source", "TARGETS", "convert", "open_source"]
+__all__ = ["ConvertError", "ROLLOUT_EXPERTS", "Source", "TARGETS", "convert", "open_source"]

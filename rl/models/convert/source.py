@@ -186,19 +186,31 @@ def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     return scale.float()
 
 
+def _byte_table() -> torch.Tensor:
+    """(256, 2) fp32: the two e2m1 values of every byte, low nibble first."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.arange(256)
+    return torch.stack([lut[codes & 0xF], lut[codes >> 4]], dim=-1)
+
+
+_FP4_PAIRS = _byte_table()
+
+
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """(..., K/2) int8 / uint8, two e2m1 codes per byte (low nibble first) -> (..., K) fp32."""
-    u8 = packed.contiguous().view(torch.uint8).long()
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    pairs = torch.stack([lut[u8 & 0xF], lut[u8 >> 4]], dim=-1)
+    # One row lookup per byte (`embedding`): ~4x faster on CPU than decoding the two nibbles
+    # separately, which matters for the ~33k expert tensors of the published Flash checkpoint.
+    u8 = packed.contiguous().view(torch.uint8)
+    pairs = torch.nn.functional.embedding(u8.int(), _FP4_PAIRS)
     return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor,
                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """(N, K/2) packed e2m1 with (N, K/32) scales -> (N, K) `dtype`."""
-    values = unpack_fp4(packed)
-    return (values * scale_to_float(scale).repeat_interleave(FP4_BLOCK, dim=-1)).to(dtype)
+    *lead, half = packed.shape
+    groups = unpack_fp4(packed).view(*lead, 2 * half // FP4_BLOCK, FP4_BLOCK)
+    return (groups * scale_to_float(scale)[..., None]).view(*lead, 2 * half).to(dtype)
 
 
 def dequantize(kind: str, weight: torch.Tensor, scale: torch.Tensor, block: int,

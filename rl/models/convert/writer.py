@@ -7,8 +7,15 @@ Targets:
     ignores it). Names stay DeepSeek's, which `load_model` (transformers 5.19) reads, the same
     form `presets.save_model` writes. config.json loses `quantization_config`, gains
     `expert_dtype: bf16`.
-  * `rollout`: the FP8 layout vLLM 0.32's V4 model loads, which is the published layout itself:
-    every tensor is copied unchanged (no requantisation, so no second rounding), with MTP.
+  * `rollout`: a layout vLLM 0.32's V4 FP8 model (`DeepseekV4FP8Config`) loads, with MTP, in
+    one of two expert forms (`ROLLOUT_EXPERTS`):
+    - `fp8` (what the weight sync needs): the FP4 routed experts requantised to block FP8 in
+      the sync wire's layout (`X.weight` e4m3 + `X.scale` fp32, one scale per 128 x 128 block),
+      vLLM's `expert_dtype: fp8` layout (Fp8MoEMethod's `w13/w2_weight_scale_inv`), losslessly
+      (see `fp4_as_block_fp8`). The FP8 linears keep their bytes; their ue8m0 scales become
+      fp32 (exact), the dtype vLLM allocates when the experts are FP8.
+    - `fp4`: every tensor copied unchanged (MXFP4 experts, `expert_dtype: fp4`), which an engine
+      fed by the weight sync cannot use (the wire carries FP8 experts).
 
 Resumability: output shards are written to a temporary name and renamed; after all parts of an
 input shard are in place, `convert_manifest.json` (also replaced atomically) records their
@@ -31,9 +38,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rl.models.convert.source import INDEX_FILE, ConvertError, Source, dequantize
+from rl.models.convert.source import INDEX_FILE, ConvertError, Source, dequantize, scale_to_float
+from rl.quant.block_fp8 import DEFAULT_BLOCK, quantize_weight_block
 
 TARGETS = ("trainer", "rollout")
+ROLLOUT_EXPERTS = ("fp8", "fp4")
 MANIFEST = "convert_manifest.json"
 FORMAT_VERSION = 1
 _SKIP_FILES = {INDEX_FILE, "config.json", MANIFEST}
@@ -47,13 +56,16 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fingerprint(src: Source, target: str) -> dict:
+def _fingerprint(src: Source, target: str, experts: str) -> dict:
     """What the outputs were made from: the index and every header (cheap, and changes with any
-    shard's layout), plus the target and the converter's format version."""
+    shard's layout), plus the target (and the rollout's expert form) and the format version."""
     h = hashlib.sha256(json.dumps(src.headers, sort_keys=True).encode())
     h.update(json.dumps(src.weight_map, sort_keys=True).encode())
-    return {"source": str(src.path.resolve()), "layout_sha256": h.hexdigest(), "target": target,
-            "format_version": FORMAT_VERSION}
+    fingerprint = {"source": str(src.path.resolve()), "layout_sha256": h.hexdigest(),
+                   "target": target, "format_version": FORMAT_VERSION}
+    if target == "rollout":
+        fingerprint["experts"] = experts
+    return fingerprint
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
@@ -79,12 +91,45 @@ class _Reader:
         self._open = {}
 
 
-def _output_tensors(src: Source, reader: _Reader, shard: str, target: str):
+def fp4_as_block_fp8(weight: torch.Tensor, scale: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 expert (packed e2m1 + ue8m0 per 32 inputs) -> (e4m3 (N, K), fp32 128 x 128 block
+    scales), the layout the sync's wire sends.
+
+    The block scales are powers of two (2^ceil(log2(amax / 448))), so every e2m1 value (at most
+    two significant bits) times its power-of-two FP4 scale is exactly an e4m3 value times the
+    block scale: the engine starts from the published experts without loss, unless the FP4
+    scales within one 128 x 128 block span more than about 2^12 (then that block's smallest
+    values round in e4m3). The wire's own scales (amax / 448) would round most values once more;
+    the loop's first sync replaces these weights anyway, so only a standalone engine sees them.
+    """
+    return quantize_weight_block(dequantize("fp4", weight, scale, DEFAULT_BLOCK, torch.float32),
+                                 DEFAULT_BLOCK, pow2=True)
+
+
+def _rollout_tensors(src: Source, reader: _Reader, name: str, experts: str):
+    """The rollout outputs of input tensor `name` (see the module doc)."""
+    if experts == "fp4":
+        yield name, reader.get(name)
+        return
+    kind = src.kind(name)
+    base = name[:-len(".scale")] if kind == "scale" else name[:-len(".weight")]
+    if kind == "fp4":
+        w8, scale = fp4_as_block_fp8(reader.get(name), reader.get(base + ".scale"))
+        yield name, w8
+        yield base + ".scale", scale
+    elif kind == "scale" and src.kind(base + ".weight") == "fp8":
+        yield name, scale_to_float(reader.get(name))
+    elif kind != "scale":  # an FP4 weight's scale is written with its weight, above
+        yield name, reader.get(name)
+
+
+def _output_tensors(src: Source, reader: _Reader, shard: str, target: str, experts: str):
     """(name, tensor) pairs for the outputs of input `shard`, one at a time, in name order."""
     for name in sorted(src.headers[shard]):
         kind = src.kind(name)
         if target == "rollout":
-            yield name, reader.get(name)
+            yield from _rollout_tensors(src, reader, name, experts)
         elif kind in ("fp8", "fp4"):
             base = name[:-len(".weight")]
             yield name, dequantize(kind, reader.get(name), reader.get(base + ".scale"), src.block)
@@ -101,7 +146,7 @@ def _save_part(tensors: dict[str, torch.Tensor], out_dir: Path, fname: str) -> s
 
 
 def _convert_shard(src: Source, reader: _Reader, shard_no: int, shard: str, target: str,
-                   out_dir: Path, max_shard_bytes: int) -> dict:
+                   experts: str, out_dir: Path, max_shard_bytes: int) -> dict:
     """Write the parts of one input shard; returns its manifest entry."""
     files, part, size = {}, {}, 0
     weight_map: dict[str, str] = {}
@@ -113,7 +158,7 @@ def _convert_shard(src: Source, reader: _Reader, shard_no: int, shard: str, targ
         weight_map.update({n: fname for n in part})
         part, size = {}, 0
 
-    for name, tensor in _output_tensors(src, reader, shard, target):
+    for name, tensor in _output_tensors(src, reader, shard, target, experts):
         nbytes = tensor.numel() * tensor.element_size()
         if part and size + nbytes > max_shard_bytes:
             flush()
@@ -137,19 +182,26 @@ def _verified(out_dir: Path, entry: dict, log: Callable[[str], None]) -> bool:
     return True
 
 
-def _output_config(src: Source, target: str) -> dict:
+def _output_config(src: Source, target: str, experts: str) -> dict:
     config = dict(src.config)
     if target == "trainer":
         config.pop("quantization_config", None)
         config["expert_dtype"] = "bf16"
         config["torch_dtype"] = "bfloat16"
+    elif experts == "fp8":
+        # vLLM's DeepseekV4FP8Config: FP8 experts, fp32 linear scales (`is_scale_e8m0` off).
+        # `scale_fmt: ue8m0` would switch DeepGEMM to ue8m0 scales, which the sync's fp32
+        # amax / 448 scales are not.
+        config["expert_dtype"] = "fp8"
+        config["quantization_config"] = {k: v for k, v in config["quantization_config"].items()
+                                         if k != "scale_fmt"}
     else:
         # vLLM's default is fp4 too; written out so the directory says what it holds.
         config.setdefault("expert_dtype", "fp4")
     return config
 
 
-def _finish(src: Source, out_dir: Path, target: str, manifest: dict) -> int:
+def _finish(src: Source, out_dir: Path, target: str, experts: str, manifest: dict) -> int:
     """Index, config and the source's other files (tokenizer, generation config); total bytes."""
     weight_map, total = {}, 0
     for entry in manifest["shards"].values():
@@ -157,7 +209,7 @@ def _finish(src: Source, out_dir: Path, target: str, manifest: dict) -> int:
         total += sum((out_dir / f).stat().st_size for f in entry["files"])
     _write_json_atomic(out_dir / INDEX_FILE, {"metadata": {"total_size": total},
                                               "weight_map": dict(sorted(weight_map.items()))})
-    _write_json_atomic(out_dir / "config.json", _output_config(src, target))
+    _write_json_atomic(out_dir / "config.json", _output_config(src, target, experts))
     for item in sorted(src.path.iterdir()):
         # Not weights: tokenizer, generation config, license, the model card.
         if (item.is_file() and item.name not in _SKIP_FILES and item.suffix != ".safetensors"
@@ -166,21 +218,25 @@ def _finish(src: Source, out_dir: Path, target: str, manifest: dict) -> int:
     return total
 
 
-def convert(src: Source, out_dir: str | Path, target: str, *, max_shard_bytes: int = 5 << 30,
-            log: Callable[[str], None] = print,
+def convert(src: Source, out_dir: str | Path, target: str, *, rollout_experts: str = "fp8",
+            max_shard_bytes: int = 5 << 30, log: Callable[[str], None] = print,
             on_shard_done: Callable[[str], None] | None = None) -> dict:
     """Convert `src` into `out_dir` for `target` ('trainer' or 'rollout'); returns the manifest.
 
-    Prints one line per input shard. `on_shard_done(shard)` runs after each shard's manifest
-    entry is saved (tests interrupt the conversion there).
+    `rollout_experts` ('fp8' or 'fp4'): the routed experts' form on the rollout side. Prints one
+    line per input shard. `on_shard_done(shard)` runs after each shard's manifest entry is saved
+    (tests interrupt the conversion there).
     """
     if target not in TARGETS:
         raise ConvertError(f"target {target!r}, expected one of {', '.join(TARGETS)}")
+    if rollout_experts not in ROLLOUT_EXPERTS:
+        raise ConvertError(f"rollout experts {rollout_experts!r}, expected one of "
+                           f"{', '.join(ROLLOUT_EXPERTS)}")
     out_dir = Path(out_dir)
     if out_dir.resolve() == src.path.resolve():
         raise ConvertError(f"{out_dir}: the output directory is the source directory")
     out_dir.mkdir(parents=True, exist_ok=True)
-    fingerprint = _fingerprint(src, target)
+    fingerprint = _fingerprint(src, target, rollout_experts)
     manifest_path = out_dir / MANIFEST
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
@@ -202,7 +258,8 @@ def convert(src: Source, out_dir: str | Path, target: str, *, max_shard_bytes: i
             log(f"[{i}/{n}] {shard}: converted earlier, sha256 verified")
             continue
         t0 = time.monotonic()
-        entry = _convert_shard(src, reader, i, shard, target, out_dir, max_shard_bytes)
+        entry = _convert_shard(src, reader, i, shard, target, rollout_experts, out_dir,
+                               max_shard_bytes)
         manifest["shards"][shard] = entry
         _write_json_atomic(manifest_path, manifest)
         reader.close()
@@ -211,6 +268,6 @@ def convert(src: Source, out_dir: str | Path, target: str, *, max_shard_bytes: i
             f"{time.monotonic() - t0:.1f} s)")
         if on_shard_done is not None:
             on_shard_done(shard)
-    total = _finish(src, out_dir, target, manifest)
+    total = _finish(src, out_dir, target, rollout_experts, manifest)
     log(f"{target}: {out_dir} complete, {n} input shards, {total / 2**30:.3f} GiB")
     return manifest

@@ -1,15 +1,13 @@
 """`launch.convert` on a tiny DeepSeek-V4 written here in the published layout.
 
-The checkpoint is tiny-deepseek-v4's weights in DeepSeek's names, split over three shards with
-an index; attention / indexer / shared-expert linears as block-FP8 with ue8m0 scales, routed
-experts as packed FP4 (MXFP4, ue8m0 per 32 inputs), one scale stored in another shard than its
-weight. The FP4 quantiser and the reference dequantisation below are written independently of
-`rl.models.convert` (own e2m1 table and bit order, own scale broadcast).
+The checkpoint is tiny-deepseek-v4's weights in DeepSeek's names, written by
+`tests.helpers.v4_published` (three shards and an index, block-FP8 linears with ue8m0 scales,
+MXFP4 experts, one scale in another shard than its weight). The FP8-expert rollout side, which
+needs block-aligned dims, is in test_convert_v4_fp8.py.
 """
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -23,51 +21,7 @@ from rl.models.convert.writer import MANIFEST, sha256_file
 from rl.models.loading import load_model
 from rl.models.name_maps import checkpoint_state
 from rl.models.presets import build_model, build_preset
-from rl.quant.block_fp8 import quantize_weight_block
-
-# The linears vLLM's V4 builds with the FP8 quant config (attention.py, nvidia/model.py); the
-# compressors, the indexer's weights_proj, routers, embeddings and head get quant_config=None.
-FP8_RE = re.compile(r"\.(attn\.(wq_a|wkv|wq_b|wo_a|wo_b)|attn\.indexer\.wq_b|"
-                    r"ffn\.shared_experts\.w[123])\.weight$")
-FP4_RE = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
-FP32_RE = re.compile(r"hc_|attn_sink|\.gate\.bias$")
-E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-CROSS_SHARD_SCALE = "layers.1.attn.wq_b.scale"
-
-
-def pow2_up(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(x > 0, torch.exp2(torch.ceil(torch.log2(x))), torch.ones_like(x))
-
-
-def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) -> (N, K/2) int8 (code of input 2j in bits 0-3, of 2j+1 in bits 4-7), (N, K/32)
-    e8m0 scales."""
-    n, k = w.shape
-    groups = w.float().reshape(n, k // 32, 32)
-    scale = pow2_up(groups.abs().amax(-1) / 6.0)
-    v = groups / scale[..., None]
-    mag = (v.abs()[..., None] - torch.tensor(E2M1)).abs().argmin(-1)
-    codes = (mag | ((v < 0).long() << 3)).reshape(n, k)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
-    return packed, scale.to(torch.float8_e8m0fnu)
-
-
-def ref_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    u = packed.view(torch.uint8).long()
-    out = torch.empty(u.shape[0], 2 * u.shape[1])
-    for col, codes in ((0, u % 16), (1, u // 16)):
-        sign = torch.where(codes >= 8, -1.0, 1.0)
-        out[:, col::2] = sign * torch.tensor(E2M1)[codes % 8]
-    s = scale.float()
-    return out * torch.stack([s] * 32, dim=-1).reshape(out.shape)
-
-
-def ref_fp8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    n, k = w8.shape
-    s = scale.float()
-    rows = torch.arange(n) // 128
-    cols = torch.arange(k) // 128
-    return w8.float() * s[rows][:, cols]
+from tests.helpers.v4_published import CROSS_SHARD_SCALE, FP4_RE, FP8_RE, write_published
 
 
 @pytest.fixture(scope="module")
@@ -77,44 +31,9 @@ def published(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     root = tmp_path_factory.mktemp("dsv4")
     preset = build_preset("tiny-deepseek-v4", root / "preset", seed=0)
     state = dict(checkpoint_state(build_model("tiny-deepseek-v4", seed=0)))
-    tensors, reference = {}, {}
-    for name, t in state.items():
-        base = name[:-len(".weight")]
-        if FP8_RE.search(name):
-            w8, s = quantize_weight_block(t.float(), 128, pow2=True)
-            tensors[name], tensors[base + ".scale"] = w8, s.to(torch.float8_e8m0fnu)
-            reference[name] = ref_fp8(w8, tensors[base + ".scale"])
-        elif FP4_RE.search(name):
-            tensors[name], tensors[base + ".scale"] = quantize_fp4(t)
-            reference[name] = ref_fp4(tensors[name], tensors[base + ".scale"])
-        else:
-            keep32 = FP32_RE.search(name) or not t.is_floating_point()
-            tensors[name] = t if keep32 else t.to(torch.bfloat16)
-            reference[name] = tensors[name]
     src = root / "published"
-    src.mkdir()
-    names = sorted(tensors)
-    thirds = [names[i::3] for i in range(3)]
-    weight_map = {}
-    for i, part in enumerate(thirds, start=1):
-        fname = f"model-{i:05d}-of-00003.safetensors"
-        weight_map.update({n: fname for n in part})
-    weight_map[CROSS_SHARD_SCALE] = "model-00003-of-00003.safetensors"
-    weight_map[CROSS_SHARD_SCALE[:-len(".scale")] + ".weight"] = "model-00001-of-00003.safetensors"
-    for fname in sorted(set(weight_map.values())):
-        save_file({n: tensors[n].contiguous() for n, f in weight_map.items() if f == fname},
-                  str(src / fname), metadata={"format": "pt"})
-    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     config = json.loads((preset / "config.json").read_text())
-    config.pop("expert_dtype")  # the published Flash config relies on vLLM's default (fp4)
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                     "weight_block_size": [128, 128]}
-    (src / "config.json").write_text(json.dumps(config))
-    for extra in preset.iterdir():
-        if extra.name not in ("config.json", "model.safetensors"):
-            (src / extra.name).write_bytes(extra.read_bytes())
-    return src, reference
+    return src, write_published(state, config, preset, src)
 
 
 def _all_tensors(out: Path) -> dict[str, torch.Tensor]:
@@ -178,10 +97,11 @@ def test_interrupted_run_resumes_and_a_corrupt_shard_is_converted_again(publishe
     assert sha256_file(victim) == sha256_file(clean / files[-1])
 
 
-def test_rollout_side_is_the_layout_vllm_v4_loads(published, tmp_path):
+def test_rollout_side_with_fp4_experts_is_the_published_layout_vllm_v4_loads(published,
+                                                                             tmp_path):
     src_dir = published[0]
-    out = tmp_path / "fp8"
-    convert(open_source(src_dir), out, "rollout", log=lambda _: None)
+    out = tmp_path / "fp4"
+    convert(open_source(src_dir), out, "rollout", rollout_experts="fp4", log=lambda _: None)
     written = _all_tensors(out)
     source = _all_tensors(src_dir)
     assert set(written) == set(source)
@@ -213,6 +133,16 @@ def test_rollout_side_is_the_layout_vllm_v4_loads(published, tmp_path):
             assert t.dtype == torch.float8_e4m3fn, name
             assert tuple(scale.shape) == (-(-n // 128), -(-k // 128)), name
     assert mapped["embed.weight"] == "model.embed_tokens.weight"
+
+    # launch.submit refuses it as a rollout.model_path: the weight sync sends FP8 experts.
+    from launch.checks import check_rollout_checkpoint_or_exit
+    from rl.config import load_config
+
+    cfg = load_config(str(Path(__file__).resolve().parents[3] / "configs" / "local.yaml"),
+                      [f"rollout.model_path={out}"])
+    with pytest.raises(SystemExit) as exit_info:
+        check_rollout_checkpoint_or_exit(cfg)
+    assert exit_info.value.code == 2
 
 
 def test_load_model_refuses_a_quantized_checkpoint(published, tmp_path):
@@ -265,3 +195,14 @@ def test_a_scale_without_weight_and_a_foreign_output_dir_are_refused(published, 
     (busy / "notes.txt").write_text("mine")
     with pytest.raises(ConvertError, match=r"not empty and has no convert_manifest\.json"):
         convert(open_source(published[0]), busy, "trainer", log=lambda _: None)
+
+
+def test_a_rollout_dir_of_the_other_expert_form_is_refused(published, tmp_path):
+    """fp4 and fp8 rollout outputs differ in every expert: resuming one as the other would mix
+    them, so the manifest records the form."""
+    src = open_source(published[0])
+    out = tmp_path / "rollout"
+    convert(src, out, "rollout", rollout_experts="fp4", log=lambda _: None)
+    with pytest.raises(ConvertError, match=r"records a conversion of another source or target"):
+        convert(src, out, "rollout", rollout_experts="fp8", log=lambda _: None)
+    assert json.loads((out / MANIFEST).read_text())["fingerprint"]["experts"] == "fp4"

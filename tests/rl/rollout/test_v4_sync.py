@@ -14,17 +14,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from rl.cluster.groups import free_port
 from rl.config import SyncConfig
 from rl.quant.block_fp8 import dequantize_weight_block, quantize_weight_block
 from rl.quant.wire import scale_name
-from rl.trainer.weights import WeightSender
+from tests.helpers.weight_stream import send_and_receive
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -41,42 +39,13 @@ def _perturbed_v4():
     return model
 
 
-def _send_and_receive(model, sync: SyncConfig) -> tuple[WeightSender, dict[str, torch.Tensor]]:
-    """Send `model` once; returns the sender and what a receiver decoded (name -> fp32 tensor),
-    by the receive path the vLLM worker extension uses (`rl.rollout.weights.receive_stream`)."""
-    from rl.rollout.weights import StreamStats, receive_stream
-    from rl.sync.transport import destroy, join_group
-
-    sender = WeightSender(model, 0, True, sync, torch.device("cpu"))
-    plan, port = sender.plan(), free_port()
-    received, errors = {}, []
-
-    def receive():
-        try:
-            group = join_group(None, "127.0.0.1", port, 2, 1, "gloo", 60.0, torch.device("cpu"))
-            for name, t in receive_stream(group, plan, 1, True, torch.float32, StreamStats()):
-                received[name] = t.clone()
-            destroy(group)
-        except Exception as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    thread = threading.Thread(target=receive)
-    thread.start()
-    sender.connect("127.0.0.1", port, 2)
-    sender.send(version=1)
-    thread.join(120)
-    sender.close()
-    assert not errors, errors
-    return sender, received
-
-
 @pytest.fixture(scope="module")
 def v4_sync(tmp_path_factory):
     """One FP8 send of a perturbed tiny V4; the trainer model, plan slots, and decoded stream."""
     torch.set_num_threads(1)
     model = _perturbed_v4()
-    sender, received = _send_and_receive(model, SyncConfig(wire_dtype="fp8", bucket_mb=0.25,
-                                                           verify=True))
+    sender, received = send_and_receive(model, SyncConfig(wire_dtype="fp8", bucket_mb=0.25,
+                                                          verify=True))
     slots = {s.name: s for b in sender.plan().buckets for s in b.slots}
     return model, slots, received
 

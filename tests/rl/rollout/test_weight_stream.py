@@ -72,3 +72,25 @@ def test_unknown_names_and_wrong_shapes_are_errors(tiny_model):
         targets.copy_("model.norm.weight", torch.zeros(3))
     with pytest.raises(ValueError, match="shape"):
         targets.copy_("model.layers.0.mlp.experts.0.gate_proj.weight", torch.zeros(3, 3))
+
+
+@pytest.mark.parametrize("expert_dtype", ["fp8", "fp4", None])
+def test_a_v4_engine_takes_the_fp8_wire_only_with_fp8_experts(expert_dtype):
+    """The receiver's decision for vLLM V4 engines (`launch.convert --rollout-experts fp8` writes
+    `expert_dtype: fp8`; fp4 and a config without it, vLLM's default, hold MXFP4 experts)."""
+    from types import SimpleNamespace
+
+    from rl.rollout.weights import engine_loads_block_fp8
+
+    hf = SimpleNamespace(model_type="deepseek_v4")
+    if expert_dtype is not None:
+        hf.expert_dtype = expert_dtype
+    cfg = SimpleNamespace(
+        quant_config=SimpleNamespace(is_checkpoint_fp8_serialized=True,
+                                     weight_block_size=[128, 128]),
+        model_config=SimpleNamespace(hf_config=hf))
+    if expert_dtype == "fp8":
+        assert engine_loads_block_fp8(cfg) is True
+    else:
+        with pytest.raises(ValueError, match=r"MXFP4 .*launch\.convert .*--rollout-experts fp8"):
+            engine_loads_block_fp8(cfg)
