@@ -131,16 +131,24 @@ class Runtime:
         t0 = time.perf_counter()
         # Several trainer nodes: the rendezvous is wherever rank 0 landed (else this machine).
         multi_node = cfg.cluster.num_nodes("trainer") > 1
-        self.trainers = self._start(self.trainer_spec, TrainerWorker, self._trainer_args,
-                                    on_placed=self._pick_master if multi_node else None)
-        self.engines = self._start(self.rollout_spec, EngineHost, self._engine_args)
-        self._log_placement()
-        wait_all([a.ready for a in self.trainers + self.engines if hasattr(a, "ready")])
-        self.trainer, self.rollout = TrainerGroup(self.trainers), RolloutGroup(self.engines)
-        wait_all(self.trainer.ping_async()
-                 + [self.rollout.pid_async(i) for i in range(len(self.engines))])
-        self.plan = self.trainer.sync_plan()
-        self._connect_sync()
+        self.trainers, self.engines = [], []
+        try:
+            self.trainers = self._start(self.trainer_spec, TrainerWorker, self._trainer_args,
+                                        on_placed=self._pick_master if multi_node else None)
+            self.engines = self._start(self.rollout_spec, EngineHost, self._engine_args)
+            self._log_placement()
+            wait_all([a.ready for a in self.trainers + self.engines if hasattr(a, "ready")])
+            self.trainer, self.rollout = TrainerGroup(self.trainers), RolloutGroup(self.engines)
+            wait_all(self.trainer.ping_async()
+                     + [self.rollout.pid_async(i) for i in range(len(self.engines))])
+            self.plan = self.trainer.sync_plan()
+            self._connect_sync()
+        except BaseException:
+            # Nobody holds this half-built runtime to shut it down. Plain-process workers are
+            # non-daemon: the ones that did start would wait on their pipes forever, and
+            # multiprocessing joins them at exit, so the driver hung after printing its error.
+            self._kill_all()
+            raise
         log.info("runtime ready in %.1fs: %d trainer ranks, %d engines (%s)", time.perf_counter() - t0,
                  len(self.trainers), len(self.engines), self.placement.backend)
 
@@ -244,6 +252,21 @@ class Runtime:
         self.restarts += len(dead)
         return len(dead)
 
+    def _kill_all(self) -> None:
+        for a in self.engines + self.trainers:
+            try:
+                a.kill()
+            except Exception:  # noqa: BLE001 - best effort, the error being raised matters more
+                pass
+        self._remove_pgs()
+
+    def _remove_pgs(self) -> None:
+        if self._pgs:
+            from ray.util.placement_group import remove_placement_group
+            for pg in self._pgs:
+                remove_placement_group(pg)
+            self._pgs = []
+
     def shutdown(self) -> None:
         for a in self.engines + self.trainers:
             if self.abandoned and a in self.engines:
@@ -257,8 +280,5 @@ class Runtime:
                 a.close()
             else:
                 a.kill()
-        if self._pgs:
-            from ray.util.placement_group import remove_placement_group
-            for pg in self._pgs:
-                remove_placement_group(pg)
+        self._remove_pgs()
 

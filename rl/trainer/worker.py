@@ -35,6 +35,10 @@ FAULT_NAN_STEP = "RL_FAULT_NAN_STEP"
 whose losses become NaN on rank 0 (the skip must then happen on every rank)."""
 
 
+FAULT_INIT = "RL_FAULT_TRAINER_INIT"
+"""Fault injection, for tests only: when set, every trainer rank fails while starting."""
+
+
 def _fault_nan_steps() -> set[int]:
     return {int(v) for v in os.environ.get(FAULT_NAN_STEP, "").split(",") if v.strip()}
 
@@ -97,6 +101,8 @@ class TrainerWorker:
                  dtype: str, rank_info: RankInfo, seed: int, total_optimizer_steps: int):
         from rl.signals import shield_worker
         shield_worker()
+        if os.environ.get(FAULT_INIT):
+            raise RuntimeError(f"trainer rank {rank_info.rank}: injected start failure ({FAULT_INIT})")
         self.cfg, self.algo, self.sync_cfg = cfg, algo, sync
         self.rank, self.world_size = rank_info.rank, rank_info.world_size
         torch.set_num_threads(cfg.torch_threads)
