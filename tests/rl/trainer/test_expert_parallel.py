@@ -88,7 +88,9 @@ def _stats(s: dict) -> dict:
 def test_ep2_matches_ep1_and_resumes_bitwise(tmp_path, preset):
     model_dir = resolve_model_dir(ModelConfig(preset=preset), tmp_path / "models")
     ref = _run(model_dir, ep=1)
-    got = _run(model_dir, ep=2, ckpt=str(tmp_path / "ckpt"))
+    # Resume once (Qwen3-MoE): the shards' save/load path is the same for every model.
+    resume = preset == "tiny-qwen3-moe"
+    got = _run(model_dir, ep=2, ckpt=str(tmp_path / "ckpt") if resume else None)
 
     for a, b in zip(got["score"][0], ref["score"][0]):
         assert a == pytest.approx(b, abs=1e-5)
@@ -111,6 +113,8 @@ def test_ep2_matches_ep1_and_resumes_bitwise(tmp_path, preset):
     diffs = torch.cat([(t.double() - ref["state"][n].double()).abs().flatten()
                        for n, t in got["state"].items() if t.dtype.is_floating_point])
     assert diffs.mean() < 1e-8
+    if not resume:
+        return
     # The expert shards are trained (step 2 moves them), not frozen copies.
     experts = [n for n in got["state"] if "experts" in n and "shared" not in n]
     assert experts and any(not torch.equal(got["state"][n], got["state2"][n]) for n in experts)
