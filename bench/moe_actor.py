@@ -102,11 +102,12 @@ def v4_model_dir(gpu: bool, layers: int, experts: int) -> tuple[str, dict]:
                                    "heavily_compressed_attention": 128}}
         config = DeepseekV4Config(num_hidden_layers=layers,
                                   layer_types=[kinds[i % 3] for i in range(layers)],
-                                  mlp_layer_types=["moe"] * layers, **dims)
+                                  mlp_layer_types=["moe"] * layers, attn_implementation="eager",
+                                  **dims)
         from transformers import DeepseekV4ForCausalLM
         torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = DeepseekV4ForCausalLM(config).to(torch.bfloat16)
+        with torch.device("cuda"):  # bf16, the norms / mixers V4 pins to fp32 kept fp32
+            model = DeepseekV4ForCausalLM._from_config(config, dtype=torch.bfloat16)
         path = tempfile.mkdtemp(prefix="moe_actor_")
         save_model(model, path)
         del model
