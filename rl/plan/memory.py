@@ -220,6 +220,9 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
     elif arch.model_type in EAGER_ONLY:
         notes.append("attention: rl.models.v4_attention, O(S) memory, the trainer's default for "
                      f"{arch.model_type} (measured: bench/results/v4_attention.md)")
+    if ep > 1 and opt_dev != "none":
+        notes.append("expert parallelism: the routed experts' fp32 master weights and AdamW "
+                     "moments stay on the GPU (rl.trainer.expert_parallel does not offload them)")
     if not on_gpu:  # CPU run: everything sits in host memory of the one machine
         for ln in lines:
             ln.host, ln.gpu = ln.host + ln.gpu * per_node, 0.0

@@ -138,6 +138,10 @@ def test_expert_parallel_holds_1_over_ep_of_the_experts_outside_zero(v4_flash):
     no_ep = plan_trainer(gpu_cfg("trainer.zero_stage=3"), v4_flash)
     # ZeRO-3 no longer gathers a whole expert stack: the largest module is a dense one.
     assert line(g, "ZeRO-3 gathered").gpu < line(no_ep, "ZeRO-3 gathered").gpu
+    offload = plan_trainer(gpu_cfg("trainer.zero_stage=3", "trainer.expert_parallel_size=8",
+                                   "trainer.optimizer_offload=cpu"), v4_flash)
+    assert line(offload, "routed experts (1/8").gpu == line(g, "routed experts (1/8").gpu
+    assert any("does not offload them" in n for n in offload.notes)
 
 
 
