@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 def _ranks(model_dir, ep: int, name: str, zero_stage: int = 3) -> list[ProcActor]:
-    cfg = TrainerConfig(num_ranks=2, zero_stage=zero_stage, lr=1e-3, micro_batch_tokens=48,
+    cfg = TrainerConfig(num_ranks=2, zero_stage=zero_stage, device="cpu", lr=1e-3, micro_batch_tokens=48,
                         num_mini_batches=2, grad_clip=0.5, expert_parallel_size=ep)
     algo = AlgorithmConfig(kl_coef=0.0, routing_replay="r2")
     port = free_port()
