@@ -1,11 +1,11 @@
 """Expert parallelism (`trainer.expert_parallel_size`) against the same run without it.
 
-Two real DeepSpeed ZeRO-3 (once ZeRO-2) ranks (plain processes, gloo) per run. With EP=2 each rank holds half
-of every MoE layer's experts; the log-probs, losses, the global gradient norm (experts
-included: it checks their gradient scaling) and the weights after two optimizer steps (the
-second Adam step depends on gradient magnitudes, not only signs) must match EP=1. Routing replay
-(r2) runs in both, through the HF routers EP leaves in place. Then: the weight sync's full state
-gathers the experts from both ranks, and a checkpoint written with EP=2 resumes bitwise.
+Two real DeepSpeed ZeRO-3 (once ZeRO-2) ranks (plain processes, gloo) per run. With EP=2 each
+rank holds half of every MoE layer's experts; the log-probs, losses, the global gradient norm
+(experts included: it checks their gradient scaling) and the weights after two optimizer steps
+(the second Adam step depends on gradient magnitudes, not only signs) must match EP=1. Routing
+replay (r2) runs in both, through the HF routers EP leaves in place. Then: the weight sync's full
+state gathers the experts from both ranks, and a checkpoint written with EP=2 resumes bitwise.
 """
 import random
 
@@ -23,8 +23,9 @@ pytestmark = pytest.mark.slow
 
 
 def _ranks(model_dir, ep: int, name: str, zero_stage: int = 3) -> list[ProcActor]:
-    cfg = TrainerConfig(num_ranks=2, zero_stage=zero_stage, device="cpu", lr=1e-3, micro_batch_tokens=48,
-                        num_mini_batches=2, grad_clip=0.5, expert_parallel_size=ep)
+    cfg = TrainerConfig(num_ranks=2, zero_stage=zero_stage, device="cpu", lr=1e-3,
+                        micro_batch_tokens=48, num_mini_batches=2, grad_clip=0.5,
+                        expert_parallel_size=ep)
     algo = AlgorithmConfig(kl_coef=0.0, routing_replay="r2")
     port = free_port()
     actors = [ProcActor(TrainerWorker, cfg, algo, SyncConfig(bucket_mb=0.25), str(model_dir),
