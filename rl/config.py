@@ -308,7 +308,8 @@ class TrainerConfig:
     expert_parallel_size: int = 1
     """Ranks that split each MoE layer's routed experts (`rl.trainer.expert_parallel`): each
     holds 1/EP of them and tokens are exchanged all-to-all; must divide num_ranks and the
-    model's expert count, needs zero_stage 1-3. 1 = off (ZeRO handles experts like any weight)."""
+    model's expert count, needs zero_stage 2 or 3. 1 = off (ZeRO handles experts like any
+    weight)."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_ranks", "lr", "micro_batch_tokens", "ppo_epochs", "num_mini_batches",
@@ -321,8 +322,9 @@ class TrainerConfig:
         ep = self.expert_parallel_size
         _check(ep >= 1 and self.num_ranks % ep == 0, "expert_parallel_size", ep,
                f"a divisor of num_ranks ({self.num_ranks})")
-        _check(ep == 1 or self.zero_stage > 0, "expert_parallel_size", ep,
-               "1 with zero_stage 0 (expert parallelism runs under ZeRO stages 1-3)")
+        _check(ep == 1 or self.zero_stage in (2, 3), "expert_parallel_size", ep,
+               f"1 with zero_stage {self.zero_stage} (expert parallelism runs under ZeRO-2 and "
+               "ZeRO-3)")
 
 
 @dataclass(kw_only=True, slots=True)

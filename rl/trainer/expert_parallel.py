@@ -264,8 +264,9 @@ class ExpertParallel:
 def attach_grad_norm(optimizer, ep: ExpertParallel) -> None:
     """Make DeepSpeed's ZeRO optimizer count the experts' gradient norm in its global norm (the
     one it clips with and reports). Wraps the instance's norm method: stage 3
-    `_get_norm_groups` (a list of per-group norms), stages 1-2 `scaled_global_norm` (one norm);
-    both are scaled by the loss scale (1 outside fp16)."""
+    `_get_norm_groups` (a list of per-group norms), stage 2 `scaled_global_norm` (one norm);
+    both are scaled by the loss scale (1 outside fp16). (ZeRO-1 in bf16 runs DeepSpeed's
+    BF16_Optimizer, which has neither: the config refuses EP below stage 2.)"""
     from deepspeed.runtime.utils import combine_grad_norm_groups
 
     def extra():
@@ -287,7 +288,7 @@ def attach_grad_norm(optimizer, ep: ExpertParallel) -> None:
             return combine_grad_norm_groups([own, extra().to(own.device)])
         optimizer.scaled_global_norm = scaled_global_norm
     else:
-        raise ValueError("expert parallelism needs ZeRO stage 1, 2 or 3 "
+        raise ValueError("expert parallelism needs ZeRO stage 2 or 3 "
                          f"(got optimizer {type(optimizer).__name__})")
 
 
