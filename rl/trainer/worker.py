@@ -297,8 +297,8 @@ class TrainerWorker:
                 # Every rank takes the same branch (the flag is all-reduced), so ZeRO's
                 # collectives stay matched and no rank updates weights the others drop.
                 if self._finite_on_all_ranks(finite and self._local_grads_finite()):
-                    lr = self.engine.get_lr()[0]  # this step's (the scheduler moves in step())
                     if self.ep is not None:
+                        lr = self.engine.get_lr()[0]  # this step's (step() moves the scheduler)
                         self.ep.reduce_grads(self.world_size)
                     self.engine.step()
                     applied = self.engine.was_step_applied()  # False: DeepSpeed's own overflow skip
