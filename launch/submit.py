@@ -16,7 +16,8 @@ import signal
 import sys
 import time
 
-from launch.checks import (check_data_or_exit, check_engine_or_exit, check_resume_or_exit,
+from launch.checks import (check_data_or_exit, check_engine_or_exit,
+                           check_expert_parallel_or_exit, check_resume_or_exit,
                            check_rollout_checkpoint_or_exit, check_slurm_params_or_exit)
 from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
                            split_config_args, stream_errors, stream_output)
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_or_exit(args.config_files, args.overrides)
     # Everything that can be refused is refused here, before Ray, engines or an allocation.
     check_slurm_params_or_exit(cfg)
+    check_expert_parallel_or_exit(cfg)
     if not args.no_resume:
         check_resume_or_exit(cfg, args.force)
     if cfg.cluster.kind == "slurm" and not args.no_plan_check:  # a local CPU run has no GPU budget

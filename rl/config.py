@@ -309,6 +309,11 @@ class TrainerConfig:
     transformers' eager deepseek_v4 attention, whose (heads x S x S) scores are counted."""
     nvme_path: str = "/local_nvme/deepspeed"
     """Where ZeRO-Infinity puts optimizer state with `optimizer_offload: nvme` (node-local disk)."""
+    expert_parallel_size: int = 1
+    """Ranks that split each MoE layer's routed experts (`rl.trainer.expert_parallel`): each
+    holds 1/EP of them and tokens are exchanged all-to-all; must divide num_ranks and the
+    model's expert count, needs zero_stage 2 or 3. 1 = off (ZeRO handles experts like any
+    weight)."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_ranks", "lr", "micro_batch_tokens", "ppo_epochs", "num_mini_batches",
@@ -318,6 +323,12 @@ class TrainerConfig:
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", self.betas,
                "two values in [0, 1)")
         _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "a value in [0, 1]")
+        ep = self.expert_parallel_size
+        _check(ep >= 1 and self.num_ranks % ep == 0, "expert_parallel_size", ep,
+               f"a divisor of num_ranks ({self.num_ranks})")
+        _check(ep == 1 or self.zero_stage in (2, 3), "expert_parallel_size", ep,
+               f"1 with zero_stage {self.zero_stage} (expert parallelism runs under ZeRO-2 and "
+               "ZeRO-3)")
 
 
 @dataclass(kw_only=True, slots=True)

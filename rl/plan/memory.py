@@ -98,9 +98,22 @@ def sequence_length(cfg: Config) -> int:
     return min(cfg.rollout.max_model_len, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
 
 
+def _largest_dense_module(arch: Arch) -> int:
+    """The largest module ZeRO-3 gathers when the routed experts are expert-parallel."""
+    sizes: dict[str, int] = {}
+    for x in arch.tensors:
+        if not x.routed:
+            sizes[x.module] = sizes.get(x.module, 0) + x.numel
+    return max(sizes.values())
+
+
 def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
     t, p, cl = cfg.trainer, cfg.plan, cfg.cluster.trainer
-    n, stage, P = t.num_ranks, t.zero_stage, arch.total_params
+    ep = t.expert_parallel_size
+    # Expert parallelism (rl.trainer.expert_parallel) keeps the routed experts out of ZeRO:
+    # P is what ZeRO holds, the routed stacks are counted 1/EP per rank below.
+    routed = sum(x.numel for x in arch.tensors if x.routed) if ep > 1 else 0
+    n, stage, P = t.num_ranks, t.zero_stage, arch.total_params - routed
     on_gpu = cl.gpus_per_node > 0
     local = cfg.cluster.kind == "local"
     nodes = cfg.cluster.num_nodes("trainer")  # a local run puts every rank on this machine
@@ -114,6 +127,9 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
                         "offloads ZeRO partitions)")
     if par_dev != "none" and stage != 3:
         problems.append("trainer.param_offload needs trainer.zero_stage: 3")
+    if ep > 1 and (not arch.num_experts or arch.num_experts % ep):
+        problems.append(f"trainer.expert_parallel_size {ep} does not divide the model's "
+                        f"{arch.num_experts} routed experts")
     if on_gpu and not local and n != cl.nodes * cl.gpus_per_node:
         problems.append(f"trainer.num_ranks is {n} but cluster.trainer has {cl.nodes} x "
                         f"{cl.gpus_per_node} = {cl.nodes * cl.gpus_per_node} GPUs")
@@ -154,13 +170,17 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
             lines.append(place("fp32 gradient copy (optimizer step)", fp32_grad, "gpu", "step"))
         else:
             lines.append(place("fp32 gradients (offloaded)", fp32_grad, opt_where))
+    if ep > 1:  # weights, gradients, fp32 master (bf16 only), AdamW m and v: not partitioned
+        lines.append(place(f"routed experts (1/{ep}, expert parallel): weights, gradients, "
+                           "optimizer", routed / ep * (2 * w + (4 if bf16 else 0) + 8), "gpu"))
     if opt_dev == "nvme":
         swap = SWAP_BUFFERS * min(SUB_GROUP_ELEMS, P / n) * 4
         lines.append(place("NVMe swap buffers (pinned)", swap, "cpu"))
     if on_gpu and stage >= 1:  # allocated at engine init (CPU pages stay untouched: skipped)
         lines.append(place("ZeRO reduce bucket (5e8 elements)", w * BUCKET_ELEMS, "gpu"))
     if stage == 3:
-        gathered = 2 * w * (arch.largest_module() + min(PREFETCH_ELEMS, P))
+        largest = arch.largest_module() if ep == 1 else _largest_dense_module(arch)
+        gathered = 2 * w * (largest + min(PREFETCH_ELEMS, P))
         lines.append(place("ZeRO-3 gathered largest module + its gradient", gathered, "gpu", "train"))
     if cfg.algorithm.kl_coef > 0:
         lines.append(place("reference model (kl_coef > 0; full copy, not partitioned)", w * P, "gpu"))
@@ -200,6 +220,9 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
     elif arch.model_type in EAGER_ONLY:
         notes.append("attention: rl.models.v4_attention, O(S) memory, the trainer's default for "
                      f"{arch.model_type} (measured: bench/results/v4_attention.md)")
+    if ep > 1 and opt_dev != "none":
+        notes.append("expert parallelism: the routed experts' fp32 master weights and AdamW "
+                     "moments stay on the GPU (rl.trainer.expert_parallel does not offload them)")
     if not on_gpu:  # CPU run: everything sits in host memory of the one machine
         for ln in lines:
             ln.host, ln.gpu = ln.host + ln.gpu * per_node, 0.0

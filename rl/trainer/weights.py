@@ -6,7 +6,9 @@ read (DeepSeek-V4: its checkpoint names, experts one by one; others: in-memory n
 Under ZeRO-3 every rank holds a shard, so gathering a bucket's parameters is a collective that
 all ranks enter in the same order; only rank 0 packs and broadcasts on the weight group. Buffers
 that matter for inference (`tid2eid`, `e_score_correction_bias`, ...) are not parameters and are
-sent from rank 0's own copy.
+sent from rank 0's own copy. Under expert parallelism (`experts`, an
+`rl.trainer.expert_parallel.ExpertParallel`) each routed-expert weight is all-gathered from its
+EP group's ranks instead, under its HF name, so the stream is the same as without it.
 
 `sync.wire_dtype: fp8` quantises on send: every parameter `rl.quant.should_quantize` picks (2-D
 linear weights and 3-D expert stacks not matched by `sync.wire_keep_bf16`) travels as e4m3 bytes
@@ -45,16 +47,21 @@ def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]
 
 class WeightSender:
     def __init__(self, module: torch.nn.Module, zero_stage: int, is_sender: bool, sync: SyncConfig,
-                 device: torch.device):
+                 device: torch.device, experts=None):
         self.module, self.zero_stage, self.is_sender = module, zero_stage, is_sender
         self.sync, self.device = sync, device
         self.params = dict(module.named_parameters())
         self.buffers = dict(persistent_buffers(module))
+        self.experts = experts
+        # Sharded expert weights: full shapes as meta tensors; the bucket's gather fills `_full`.
+        self._expert_meta = {n: torch.empty(shape, dtype=dtype, device="meta") for n, (shape, dtype)
+                             in (experts.full_specs().items() if experts is not None else ())}
+        self._full: dict[str, torch.Tensor] = {}
         # The stream carries wire names (`name_maps.stream_pieces`): for DeepSeek-V4 its
         # checkpoint names, one tensor per expert. wire name -> in-memory name it is cut from.
         self._source: dict[str, str] = {}
         self._wire_specs: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-        for name, t in [*self.params.items(), *self.buffers.items()]:
+        for name, t in [*self.params.items(), *self._expert_meta.items(), *self.buffers.items()]:
             shape = tuple(getattr(t, "ds_shape", t.shape))
             for wire, piece in self._pieces(name, torch.empty(shape, dtype=t.dtype,
                                                               device="meta")):
@@ -74,7 +81,8 @@ class WeightSender:
         return [(name, tensor)]
 
     def _fp8(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
-        return (self.sync.wire_dtype == "fp8" and self._source.get(name) in self.params
+        src = self._source.get(name)
+        return (self.sync.wire_dtype == "fp8" and (src in self.params or src in self._expert_meta)
                 and dtype.is_floating_point and should_quantize(name, shape, self._keep))
 
     def _specs(self):
@@ -97,12 +105,17 @@ class WeightSender:
         sources = dict.fromkeys(self._source[s.name] for s in bucket.slots
                                 if s.name in self._source)
         params = [self.params[n] for n in sources if n in self.params]
-        if self.zero_stage == 3 and params:
-            import deepspeed
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        # Collective over each EP group (every rank walks the same plan).
+        self._full = {n: self.experts.gather(n) for n in sources if n in self._expert_meta}
+        try:
+            if self.zero_stage == 3 and params:
+                import deepspeed
+                with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                    yield
+            else:
                 yield
-        else:
-            yield
+        finally:
+            self._full = {}
 
     def _tensors(self, bucket: Bucket) -> dict[str, torch.Tensor]:
         """Wire name -> tensor (a view of a gathered parameter or a buffer) of every slot of
@@ -110,7 +123,9 @@ class WeightSender:
         out: dict[str, torch.Tensor] = {}
         wanted = {s.name for s in bucket.slots}
         for src in dict.fromkeys(self._source[n] for n in wanted if n in self._source):
-            t = self.params[src] if src in self.params else self.buffers[src]
+            t = self._full.get(src)
+            if t is None:
+                t = self.params[src] if src in self.params else self.buffers[src]
             out.update((w, p) for w, p in self._pieces(src, t.detach()) if w in wanted)
         return out
 
@@ -153,7 +168,8 @@ class WeightSender:
         (which otherwise sets the pace for NCCL). Captured at the second send (the first
         compiles the Triton kernels); the ring buffers hold 2 x the largest bucket.
         """
-        if self.device.type != "cuda" or self.zero_stage == 3 or self._sends < 1:
+        if (self.device.type != "cuda" or self.zero_stage == 3 or self.experts is not None
+                or self._sends < 1):  # sharded experts are gathered anew every sync
             return None
         if self._graphs is None:
             split = any(s.dtype == "uint8" and not any(

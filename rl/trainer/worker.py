@@ -112,9 +112,11 @@ class TrainerWorker:
                           LOCAL_RANK="0" if self.device.type == "cpu" else str(self.device.index or 0),
                           MASTER_ADDR=rank_info.master_addr, MASTER_PORT=str(rank_info.master_port))
         self._seed_everything(seed)
+        self.ep = None  # rl.trainer.expert_parallel.ExpertParallel with expert_parallel_size > 1
         self.engine, self.ref_model = self._build(model_dir, total_optimizer_steps)
         self.sender = WeightSender(self.engine.module, zero_stage=cfg.zero_stage,
-                                   is_sender=self.rank == 0, sync=sync, device=self.device)
+                                   is_sender=self.rank == 0, sync=sync, device=self.device,
+                                   experts=self.ep)
         self.optimizer_steps = 0
         self.replay = None
         if algo.routing_replay != "off":
@@ -165,6 +167,11 @@ class TrainerWorker:
         if self.cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
+        if self.cfg.expert_parallel_size > 1:
+            from rl.trainer import expert_parallel as ep
+            groups = ep.make_groups(self.world_size, self.rank, self.cfg.expert_parallel_size)
+            self.ep = ep.ExpertParallel(model, groups, self.device)  # experts leave `model`
+            self.ep.make_optimizer(self.cfg.lr, self.cfg.betas, self.cfg.weight_decay)
         params = [p for p in model.parameters() if p.requires_grad]
         if "offload_optimizer" in config["zero_optimization"]:
             # The optimizer step runs on the host: DeepSpeed's vectorised CPU Adam (JIT-built once).
@@ -177,6 +184,9 @@ class TrainerWorker:
         sched = torch.optim.lr_scheduler.LambdaLR(optim, _lr_lambda(self.cfg, total_steps))
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optim, lr_scheduler=sched,
                                                config=config, dist_init_required=False)
+        if self.ep is not None:
+            from rl.trainer.expert_parallel import attach_grad_norm
+            attach_grad_norm(engine.optimizer, self.ep)
         return engine, ref
 
     def _load(self, model_dir: str, device: torch.device):
@@ -293,11 +303,19 @@ class TrainerWorker:
                 # Every rank takes the same branch (the flag is all-reduced), so ZeRO's
                 # collectives stay matched and no rank updates weights the others drop.
                 if self._finite_on_all_ranks(finite and self._local_grads_finite()):
+                    if self.ep is not None:
+                        lr = self.engine.get_lr()[0]  # this step's (step() moves the scheduler)
+                        self.ep.reduce_grads(self.world_size)
                     self.engine.step()
                     applied = self.engine.was_step_applied()  # False: DeepSpeed's own overflow skip
+                    if self.ep is not None and applied:
+                        self.ep.step(lr, float(self.engine.get_global_grad_norm()),
+                                     self.cfg.grad_clip)
                 else:
                     self._drop_gradients()
                     applied = False
+                if self.ep is not None:
+                    self.ep.zero_grad()
                 skipped += not applied
                 norm = self.engine.get_global_grad_norm() if applied else None
                 if norm is not None:  # None: not computed (ZeRO-0)
@@ -348,6 +366,8 @@ class TrainerWorker:
         in `step`), this rank's reduced partition under ZeRO-3. (ZeRO-2 partitions are reachable
         only inside DeepSpeed, whose `step` skips a non-finite global norm itself.)"""
         from deepspeed.utils import safe_get_local_grad
+        if self.ep is not None and not self.ep.grads_finite():
+            return False
         for p in self.engine.module.parameters():
             if not p.requires_grad:
                 continue
@@ -366,6 +386,8 @@ class TrainerWorker:
         if self.cfg.zero_stage == 0:
             self.engine.zero_grad()
             return
+        if self.ep is not None:  # a non-finite expert norm: ZeRO-1/2's own step skips too
+            self.ep.grad_norm = torch.tensor(float("nan"))
         if self.cfg.zero_stage in (1, 2):
             # ZeRO-1/2 keep the partitions inside the optimizer: its own step() drops a step
             # whose global gradient norm is non-finite, and it is one for a non-finite loss.
@@ -422,6 +444,9 @@ class TrainerWorker:
         state["optimizer_steps"] = self.optimizer_steps
         rng = rng_state()  # taken first: nothing the save does may shift what a resume restores
         self.engine.save_checkpoint(path, tag=tag, client_state=state, save_latest=False)
+        if self.ep is not None:  # the expert shards live outside DeepSpeed: a file per rank
+            from rl.trainer.expert_parallel import shard_file
+            torch.save(self.ep.state_dict(), shard_file(path, tag, self.rank))
         # Under ZeRO 0-2 DeepSpeed writes client_state from rank 0 only, and every rank loads that
         # copy back: each rank's own streams go in a file of its own.
         rng_file = rank_rng_file(path, tag, self.rank)
@@ -433,6 +458,14 @@ class TrainerWorker:
                                                 load_lr_scheduler_states=True)
         if client is None:
             raise RuntimeError(f"could not load trainer checkpoint {Path(path) / tag}")
+        if self.ep is not None:
+            from rl.trainer.expert_parallel import shard_file
+            f = shard_file(path, tag, self.rank)
+            if not f.is_file():
+                raise RuntimeError(f"trainer checkpoint {Path(path) / tag} has no expert shard "
+                                   f"for rank {self.rank} ({f.name}): was it written without "
+                                   "expert parallelism?")
+            self.ep.load_state_dict(torch.load(f, weights_only=False), f)
         rng_file = rank_rng_file(path, tag, self.rank)
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))

@@ -50,6 +50,18 @@ def test_resume_with_a_different_config_is_refused_before_anything_starts(tmp_pa
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]  # no job, no submitit
 
 
+@pytest.mark.parametrize("overrides, needle", [
+    (["trainer.expert_parallel_size=3"],
+     "trainer.expert_parallel_size: got 3, expected a divisor of num_ranks (2)"),
+    (["trainer.num_ranks=6", "trainer.expert_parallel_size=3"],
+     "trainer.expert_parallel_size: got 3, expected a divisor of the model's 8 routed experts"),
+])
+def test_expert_parallel_size_is_checked_before_anything_starts(tmp_path, overrides, needle):
+    proc = submit(f"output_dir={tmp_path}", *overrides)
+    assert_refused_in_one_line(proc, needle)
+    assert not any(tmp_path.iterdir())  # no run directory: refused before anything ran
+
+
 def test_unknown_slurm_params_are_refused_before_anything_starts(tmp_path):
     proc = submit(f"output_dir={tmp_path}", "cluster.kind=slurm", "cluster.slurm_params.acount=rl",
                   "cluster.slurm_params.job-name=x", "cluster.slurm_params.qos=low")

@@ -49,6 +49,18 @@ def test_out_of_range_value(tmp_path):
         load_config(write(tmp_path, "rollout:\n  top_p: 1.5\n"))
 
 
+def test_expert_parallel_size_needs_a_zero_stage_and_a_divisor_of_the_ranks():
+    for stage in (0, 1):  # ZeRO-1 in bf16 is DeepSpeed's BF16_Optimizer: its norm is not hooked
+        with pytest.raises(ConfigError, match=f"trainer.expert_parallel_size: got 2, expected 1 "
+                                              f"with zero_stage {stage}"):
+            load_config(None, [f"trainer.zero_stage={stage}", "trainer.expert_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"trainer.expert_parallel_size: got 0, expected a "
+                                          r"divisor of num_ranks \(2\)"):
+        load_config(None, ["trainer.num_ranks=2", "trainer.expert_parallel_size=0"])
+    assert load_config(None, ["trainer.num_ranks=4", "trainer.expert_parallel_size=2"]
+                       ).trainer.expert_parallel_size == 2
+
+
 def test_literal_choices(tmp_path):
     with pytest.raises(ConfigError, match="rollout.engine: got 'sglang', expected one of 'vllm', 'hf', 'native'"):
         load_config(write(tmp_path, "rollout:\n  engine: sglang\n"))

@@ -126,3 +126,26 @@ def test_cpu_runs_are_checked_against_host_memory_only(qwen3_8b):
     v = build(cfg, qwen3_8b, "cpu", [])
     assert v.trainer.gpu_budget is None and v.rollout.gpu_budget is None
     assert v.trainer.need("gpu") == 0 and v.trainer.need("host") > 16 * qwen3_8b.total_params / 2
+
+
+def test_expert_parallel_holds_1_over_ep_of_the_experts_outside_zero(v4_flash):
+    routed = sum(t.numel for t in v4_flash.tensors if t.routed)
+    dense = v4_flash.total_params - routed
+    g = plan_trainer(gpu_cfg("trainer.zero_stage=3", "trainer.expert_parallel_size=8"), v4_flash)
+    assert line(g, "parameters").gpu == pytest.approx(2 * dense / 8)  # ZeRO: the rest only
+    # bf16 weights 2 + gradients 2 + fp32 master 4 + AdamW 8 = 16 B per expert parameter held.
+    assert line(g, "routed experts (1/8").gpu == pytest.approx(16 * routed / 8)
+    no_ep = plan_trainer(gpu_cfg("trainer.zero_stage=3"), v4_flash)
+    # ZeRO-3 no longer gathers a whole expert stack: the largest module is a dense one.
+    assert line(g, "ZeRO-3 gathered").gpu < line(no_ep, "ZeRO-3 gathered").gpu
+    offload = plan_trainer(gpu_cfg("trainer.zero_stage=3", "trainer.expert_parallel_size=8",
+                                   "trainer.optimizer_offload=cpu"), v4_flash)
+    assert line(offload, "routed experts (1/8").gpu == line(g, "routed experts (1/8").gpu
+    assert any("does not offload them" in n for n in offload.notes)
+
+
+
+def test_expert_parallel_needs_routed_experts(qwen3_8b):
+    g = plan_trainer(gpu_cfg("trainer.expert_parallel_size=2"), qwen3_8b)  # a dense model
+    assert not g.fits
+    assert "expert_parallel_size 2 does not divide the model's 0 routed experts" in g.problems[0]

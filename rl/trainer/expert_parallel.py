@@ -1,0 +1,308 @@
+"""Expert parallelism on the trainer ranks (`trainer.expert_parallel_size`, EP below).
+
+Ranks form groups of EP consecutive ranks (`ep_group`); within one, rank j holds routed experts
+[j * E/EP, (j+1) * E/EP) of every MoE layer, and the ranks with the same j across groups
+(`edp_group`, the data-parallel replicas of that shard) hold the same experts. Each MoE layer's
+`experts` module (HF's 3-D `gate_up_proj` / `down_proj`) is replaced by `ShardedExperts`: the
+(token, expert) pairs go to the rank that owns the expert (`all_to_all_single`), that rank runs
+the HF experts module itself over its slice (so each model's activation, e.g. V4's clamped
+SwiGLU, and its grouped_mm / eager choice are unchanged), and the outputs come back and are
+weighted and summed per token as HF does. The router stays HF's own module: routing replay
+(`rl.models.routing` hooks the routers) and DeepSeek-V4's hash routing work unchanged.
+
+Why our own layer and not DeepSpeed 0.19.8's: AutoEP (`deepspeed.module_inject.auto_ep`) swaps
+the whole MoE block, router included, for its own, so routing replay and V4's hash routing
+(`tid2eid[input_ids]`, sqrt-softplus scores) would have to be re-implemented inside it, and it
+has no V4 preset; its ZeRO-3 expert placement is keyed to that layer class. `deepspeed.moe`'s
+native layer is refused under ZeRO-3 (`_validate_zero3_moe_compatibility`).
+
+So the expert shards live outside DeepSpeed: they are not registered parameters of the model
+(ZeRO would partition and reduce them over all ranks, mixing different experts), and this class
+owns their gradient reduction (over `edp_group` only), their AdamW (same hyper-parameters and
+learning rate as DeepSpeed's), their checkpoint file and their gather for the weight sync. The
+global gradient norm DeepSpeed clips with includes the experts' (`attach_grad_norm`), so
+clipping and the reported `train/grad_norm` are those of the whole model, as with EP = 1.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+"""The 3-D (experts, out, in) parameters of an HF experts module, sharded on dim 0."""
+
+
+def _shape(p: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 partitions report their full shape
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """An HF routed-experts module: 3-D `gate_up_proj` and `down_proj` and `num_experts`
+    (Qwen3MoeExperts, DeepseekV3Experts, DeepseekV4Experts)."""
+    return hasattr(module, "num_experts") and all(
+        isinstance(getattr(module, n, None), nn.Parameter) and len(_shape(getattr(module, n))) == 3
+        for n in EXPERT_WEIGHTS)
+
+
+@dataclass(slots=True)
+class EPGroups:
+    ep_size: int
+    ep_rank: int
+    ep_group: object
+    edp_group: object
+    """The ranks holding the same expert shard (size world / EP)."""
+
+
+def make_groups(world_size: int, rank: int, ep_size: int) -> EPGroups:
+    """Collective: every rank creates every group, in the same order (torch requires it)."""
+    if world_size % ep_size:
+        raise ValueError(f"expert_parallel_size {ep_size} does not divide {world_size} ranks")
+    ep_group = edp_group = None
+    for start in range(0, world_size, ep_size):
+        g = dist.new_group(list(range(start, start + ep_size)))
+        if start <= rank < start + ep_size:
+            ep_group = g
+    for j in range(ep_size):
+        g = dist.new_group(list(range(j, world_size, ep_size)))
+        if rank % ep_size == j:
+            edp_group = g
+    return EPGroups(ep_size=ep_size, ep_rank=rank % ep_size, ep_group=ep_group,
+                    edp_group=edp_group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` of rows with a gradient (the backward sends the rows' gradients
+    back the way they came)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, recv: list[int], send: list[int], group) -> torch.Tensor:
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+def _local_copy(source: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Module:
+    """An instance of `source`'s class holding `weights` (this rank's experts): same plain
+    attributes (config, activation limit...) and child modules (the activation), fresh hooks."""
+    local = type(source).__new__(type(source))
+    nn.Module.__init__(local)
+    internals = set(local.__dict__)  # nn.Module's own (parameters, hooks...): keep fresh
+    local.__dict__.update({k: v for k, v in source.__dict__.items() if k not in internals})
+    for name, child in source._modules.items():
+        local.add_module(name, child)
+    for name, w in weights.items():
+        local.register_parameter(name, nn.Parameter(w))
+    local.num_experts = next(iter(weights.values())).shape[0]
+    return local
+
+
+class ShardedExperts(nn.Module):
+    """Drop-in for an HF experts module: forward(hidden (T, H), top_k_index (T, K),
+    top_k_weights (T, K)) -> (T, H), computing the experts this rank does not hold remotely."""
+
+    def __init__(self, local: nn.Module, num_experts: int, groups: EPGroups):
+        super().__init__()
+        # Not a registered child: its parameters must stay out of DeepSpeed (module docstring).
+        object.__setattr__(self, "local", local)
+        self.num_experts = num_experts
+        self.num_local = local.num_experts
+        self.groups = groups
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        g = self.groups
+        k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        # Pairs in expert order: per token, experts are added in the order HF's loop adds them.
+        order = torch.argsort(flat, stable=True)
+        token, slot, expert = order // k, order % k, flat[order]
+        owner = expert // self.num_local
+        send_counts = torch.bincount(owner, minlength=g.ep_size)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=g.ep_group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        ids = torch.empty(sum(recv), dtype=expert.dtype, device=expert.device)
+        dist.all_to_all_single(ids, (expert - owner * self.num_local).contiguous(), recv, send,
+                               group=g.ep_group)
+        x = _AllToAll.apply(hidden_states[token], recv, send, g.ep_group)
+        # Weight 1 on the owner (exact), the routing weight back home: the router's gradient
+        # stays on the rank whose tokens it routed.
+        ones = torch.ones(ids.shape[0], 1, dtype=top_k_weights.dtype, device=x.device)
+        y = self.local(x, ids[:, None], ones)
+        y = _AllToAll.apply(y, send, recv, g.ep_group)
+        y = y * top_k_weights[token, slot, None]
+        out = torch.zeros_like(hidden_states)
+        return out.index_add_(0, token, y.to(out.dtype))
+
+
+class ExpertParallel:
+    """This rank's expert shards of `model` (replaced in place at construction), their optimizer,
+    gradient reduction, checkpoint and gather. Collective methods say so."""
+
+    def __init__(self, model: nn.Module, groups: EPGroups, device: torch.device):
+        self.groups = groups
+        self.layers: dict[str, ShardedExperts] = {}
+        found = [(n, m) for n, m in model.named_modules() if is_experts_module(m)]
+        if not found:
+            raise ValueError(f"expert_parallel_size {groups.ep_size}: {type(model).__name__} has "
+                             "no routed experts module")
+        for name, mod in found:
+            num = int(mod.num_experts)
+            if num % groups.ep_size:
+                raise ValueError(f"expert_parallel_size {groups.ep_size} does not divide the "
+                                 f"{num} experts of {name}")
+            per = num // groups.ep_size
+            lo = groups.ep_rank * per
+            params = [getattr(mod, w) for w in EXPERT_WEIGHTS]
+            with _full(params):
+                weights = {w: p.detach()[lo:lo + per].clone().to(device)
+                           for w, p in zip(EXPERT_WEIGHTS, params)}
+            sharded = ShardedExperts(_local_copy(mod, weights), num, groups)
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, sharded)
+            self.layers[name] = sharded
+        self.params: dict[str, nn.Parameter] = {
+            f"{name}.{w}": getattr(layer.local, w)
+            for name, layer in self.layers.items() for w in EXPERT_WEIGHTS}
+        # fp32 master copies for AdamW when the model trains in bf16 (as DeepSpeed keeps them).
+        self.master = {n: p if p.dtype == torch.float32 else
+                       nn.Parameter(p.detach().float().clone()) for n, p in self.params.items()}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.grad_norm: torch.Tensor | None = None
+
+    # ---- shapes and gathers --------------------------------------------------------------
+    def full_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Full (all experts) shape and dtype of each sharded parameter, by its HF name."""
+        return {n: ((p.shape[0] * self.groups.ep_size, *p.shape[1:]), p.dtype)
+                for n, p in self.params.items()}
+
+    def gather(self, name: str) -> torch.Tensor:
+        """Collective over the EP group: the full (E, ...) parameter `name`."""
+        p = self.params[name].detach()
+        parts = [torch.empty_like(p) for _ in range(self.groups.ep_size)]
+        dist.all_gather(parts, p.contiguous(), group=self.groups.ep_group)
+        return torch.cat(parts)
+
+    # ---- optimizer -----------------------------------------------------------------------
+    def make_optimizer(self, lr: float, betas, weight_decay: float) -> None:
+        self.optimizer = torch.optim.AdamW(list(self.master.values()), lr=lr, betas=tuple(betas),
+                                           weight_decay=weight_decay)
+
+    def grads_finite(self) -> bool:
+        return all(p.grad is None or bool(torch.isfinite(p.grad).all())
+                   for p in self.params.values())
+
+    def reduce_grads(self, world_size: int) -> None:
+        """Collective: before DeepSpeed's step. Each shard's gradient holds its EP group's
+        tokens (the backward all-to-all brought them), scaled by world_size like every loss the
+        worker backpropagates: summed over the replicas and divided by world_size it is the
+        mean gradient DeepSpeed gives its own parameters. Sets `grad_norm` (global, for
+        `attach_grad_norm`)."""
+        sq = torch.zeros((), dtype=torch.float32, device=next(iter(self.params.values())).device)
+        for p in self.params.values():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if dist.get_world_size(self.groups.edp_group) > 1:
+                dist.all_reduce(p.grad, group=self.groups.edp_group)
+            p.grad.div_(world_size)
+            sq += p.grad.float().pow(2).sum()
+        dist.all_reduce(sq, group=self.groups.ep_group)  # the replicas hold the same sum
+        self.grad_norm = sq.sqrt()
+
+    def step(self, lr: float, total_norm: float, clip: float) -> None:
+        """After DeepSpeed applied its step: clip by the global norm as DeepSpeed does, update."""
+        scale = max(((total_norm + 1e-6) / clip) if clip > 0 else 1.0, 1.0)
+        for name, p in self.params.items():
+            # In place on fp32 gradients (`float()` is then the tensor itself): for an fp32
+            # parameter, its own master.
+            self.master[name].grad = p.grad.float().div_(scale)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        with torch.no_grad():
+            for name, p in self.params.items():
+                if self.master[name] is not p:
+                    p.copy_(self.master[name])
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for name, p in self.params.items():
+            p.grad = None
+            self.master[name].grad = None
+
+    # ---- checkpoint ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"ep_size": self.groups.ep_size, "ep_rank": self.groups.ep_rank,
+                "master": {n: m.detach().clone() for n, m in self.master.items()},
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict, where: Path) -> None:
+        if (state["ep_size"], state["ep_rank"]) != (self.groups.ep_size, self.groups.ep_rank):
+            raise RuntimeError(f"{where}: written with expert_parallel_size {state['ep_size']} "
+                               f"(shard {state['ep_rank']}), this run has "
+                               f"{self.groups.ep_size} (shard {self.groups.ep_rank})")
+        with torch.no_grad():
+            for name, m in self.master.items():
+                m.copy_(state["master"][name])
+                if m is not self.params[name]:
+                    self.params[name].copy_(m)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def attach_grad_norm(optimizer, ep: ExpertParallel) -> None:
+    """Make DeepSpeed's ZeRO optimizer count the experts' gradient norm in its global norm (the
+    one it clips with and reports). Wraps the instance's norm method: stage 3
+    `_get_norm_groups` (a list of per-group norms), stage 2 `scaled_global_norm` (one norm);
+    both are scaled by the loss scale (1 outside fp16). (ZeRO-1 in bf16 runs DeepSpeed's
+    BF16_Optimizer, which has neither: the config refuses EP below stage 2.)"""
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+
+    def extra():
+        return ep.grad_norm.to(torch.float32) * float(getattr(optimizer, "loss_scale", 1.0))
+
+    if hasattr(optimizer, "_get_norm_groups"):
+        inner_groups = optimizer._get_norm_groups
+
+        def norm_groups():
+            groups = inner_groups()
+            device = next((n.device for n in groups if torch.is_tensor(n)), torch.device("cpu"))
+            return [*groups, extra().to(device)]
+        optimizer._get_norm_groups = norm_groups
+    elif hasattr(optimizer, "scaled_global_norm"):
+        inner = optimizer.scaled_global_norm
+
+        def scaled_global_norm(norm_type=2):
+            own = inner(norm_type)
+            return combine_grad_norm_groups([own, extra().to(own.device)])
+        optimizer.scaled_global_norm = scaled_global_norm
+    else:
+        raise ValueError("expert parallelism needs ZeRO stage 2 or 3 "
+                         f"(got optimizer {type(optimizer).__name__})")
+
+
+@contextlib.contextmanager
+def _full(params: list[nn.Parameter]):
+    """The full parameters, also when ZeRO-3 partitioned them at load time (collective then)."""
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield
+    else:
+        yield
+
+
+def shard_file(path: str, tag: str, rank: int) -> Path:
+    """Where rank `rank` keeps its expert shards and their AdamW state in checkpoint path/tag."""
+    return Path(path) / tag / f"experts_rank_{rank:05d}.pt"
