@@ -63,30 +63,40 @@ def _recording_config(record: list[str]):
     return Recording()
 
 
-def build_model(model_dir: str):
-    """vLLM's model for `model_dir` (weights uninitialised) and the layers it would quantise."""
+def engine_config(model_dir: str, dtype: str):
+    """vLLM's VllmConfig for `model_dir` on this CPU (in-process, eager)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    import torch
     import vllm.v1.worker.cpu_worker  # noqa: F401 - installs the torch.cuda.Event stand-in
+    from vllm.engine.arg_utils import EngineArgs
+    return EngineArgs(model=model_dir, dtype=dtype, enforce_eager=True,
+                      max_model_len=256).create_engine_config()
+
+
+def initialize(cfg, dtype):
+    """vLLM's model for `cfg` (weights uninitialised), in a one-rank gloo world of its own."""
+    import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    cfg = EngineArgs(model=model_dir, dtype="float32", enforce_eager=True,
-                     max_model_len=256).create_engine_config()
-    record: list[str] = []
-    cfg.quant_config = _recording_config(record)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with set_current_vllm_config(cfg):
         init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
         ensure_model_parallel_initialized(1, 1)
-        with set_default_torch_dtype(torch.float32), torch.device("cpu"):
-            model = initialize_model(vllm_config=cfg)
-    return model, record
+        with set_default_torch_dtype(dtype), torch.device("cpu"):
+            return initialize_model(vllm_config=cfg)
+
+
+def build_model(model_dir: str):
+    """vLLM's model for `model_dir` (weights uninitialised) and the layers it would quantise."""
+    import torch
+    cfg = engine_config(model_dir, "float32")
+    record: list[str] = []
+    cfg.quant_config = _recording_config(record)
+    return initialize(cfg, torch.float32), record
 
 
 def main(argv: list[str]) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 
@@ -38,30 +37,16 @@ def _mock_kernel_choice() -> None:
 def build_model(model_dir: str):
     """vLLM's V4 model for `model_dir` with its own FP8 quant config (weights uninitialised),
     and the VllmConfig it was built with."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
-    import vllm.v1.worker.cpu_worker  # noqa: F401 - installs the torch.cuda.Event stand-in
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.utils.torch_utils import set_default_torch_dtype
+    from tests.helpers.vllm_layout import engine_config, initialize
 
     _mock_kernel_choice()
     # DeepseekV4FP8Config accepts only bf16 / fp16 activations.
-    cfg = EngineArgs(model=model_dir, dtype="bfloat16", enforce_eager=True,
-                     max_model_len=256).create_engine_config()
+    cfg = engine_config(model_dir, "bfloat16")
     assert type(cfg.quant_config).__name__ == "DeepseekV4FP8Config", type(cfg.quant_config)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with set_current_vllm_config(cfg):
-        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
-        ensure_model_parallel_initialized(1, 1)
-        with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
-            model = initialize_model(vllm_config=cfg)
-        assert cfg.quant_config.expert_dtype == json.load(
-            open(os.path.join(model_dir, "config.json")))["expert_dtype"]
+    model = initialize(cfg, torch.bfloat16)
+    assert cfg.quant_config.expert_dtype == json.load(
+        open(os.path.join(model_dir, "config.json")))["expert_dtype"]
     return model, cfg
 
 
