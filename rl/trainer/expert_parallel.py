@@ -301,8 +301,3 @@ def _full(params: list[nn.Parameter]):
             yield
     else:
         yield
-
-
-def shard_file(path: str, tag: str, rank: int) -> Path:
-    """Where rank `rank` keeps its expert shards and their AdamW state in checkpoint path/tag."""
-    return Path(path) / tag / f"experts_rank_{rank:05d}.pt"

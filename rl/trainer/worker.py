@@ -445,11 +445,10 @@ class TrainerWorker:
         rng = rng_state()  # taken first: nothing the save does may shift what a resume restores
         self.engine.save_checkpoint(path, tag=tag, client_state=state, save_latest=False)
         if self.ep is not None:  # the expert shards live outside DeepSpeed: a file per rank
-            from rl.trainer.expert_parallel import shard_file
-            torch.save(self.ep.state_dict(), shard_file(path, tag, self.rank))
+            torch.save(self.ep.state_dict(), rank_file(path, tag, "experts", self.rank))
         # Under ZeRO 0-2 DeepSpeed writes client_state from rank 0 only, and every rank loads that
         # copy back: each rank's own streams go in a file of its own.
-        rng_file = rank_rng_file(path, tag, self.rank)
+        rng_file = rank_file(path, tag, "rng", self.rank)
         rng_file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(rng, rng_file)
 
@@ -459,14 +458,13 @@ class TrainerWorker:
         if client is None:
             raise RuntimeError(f"could not load trainer checkpoint {Path(path) / tag}")
         if self.ep is not None:
-            from rl.trainer.expert_parallel import shard_file
-            f = shard_file(path, tag, self.rank)
+            f = rank_file(path, tag, "experts", self.rank)
             if not f.is_file():
                 raise RuntimeError(f"trainer checkpoint {Path(path) / tag} has no expert shard "
                                    f"for rank {self.rank} ({f.name}): was it written without "
                                    "expert parallelism?")
             self.ep.load_state_dict(torch.load(f, weights_only=False), f)
-        rng_file = rank_rng_file(path, tag, self.rank)
+        rng_file = rank_file(path, tag, "rng", self.rank)
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))
         elif "rng" in client:
@@ -494,9 +492,10 @@ class TrainerWorker:
         self.sender.close()
 
 
-def rank_rng_file(path: str, tag: str, rank: int) -> Path:
-    """Where rank `rank` keeps its RNG streams inside the DeepSpeed checkpoint path/tag."""
-    return Path(path) / tag / f"rng_rank_{rank:05d}.pt"
+def rank_file(path: str, tag: str, kind: str, rank: int) -> Path:
+    """Where rank `rank` keeps its own `kind` of state inside the DeepSpeed checkpoint path/tag:
+    `rng` (its RNG streams), `experts` (its expert shards and their AdamW state)."""
+    return Path(path) / tag / f"{kind}_rank_{rank:05d}.pt"
 
 
 def rng_state() -> dict:
