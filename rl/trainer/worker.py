@@ -184,6 +184,7 @@ class TrainerWorker:
         sched = torch.optim.lr_scheduler.LambdaLR(optim, _lr_lambda(self.cfg, total_steps))
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optim, lr_scheduler=sched,
                                                config=config, dist_init_required=False)
+        buffers_to(engine.module, self.device)
         if self.ep is not None:
             from rl.trainer.expert_parallel import attach_grad_norm
             attach_grad_norm(engine.optimizer, self.ep)
@@ -510,3 +511,15 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def buffers_to(module: torch.nn.Module, device: torch.device) -> None:
+    """Moves every buffer of `module` to `device`. ZeRO-3 places the parameters of a model loaded
+    on the host, not its buffers; one left there (V4's router `e_score_correction_bias`, its
+    hash router's `tid2eid`) then meets activations on the GPU ("found at least two devices",
+    seen on an H200). ZeRO-1/2 move the whole module, so this is a no-op for them."""
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and buf.device != device:
+                sub._buffers[name] = buf.to(device)
+
