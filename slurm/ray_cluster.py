@@ -200,7 +200,9 @@ def _step_env(env: tp.Mapping[str, str]) -> dict[str, str]:
 
 
 def _launch(node: RayNode, args: list[str], run_dir: Path, env: dict[str, str]) -> subprocess.Popen:
-    ray_bin = str(Path(sys.executable).parent / "ray")
+    # Ray's CLI through this interpreter: an install without console scripts beside it (pip
+    # --target, as on the GPU machine) has no `ray` executable there.
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
     pid_file = run_dir / f"ray-{node.name}.pid"
     pid_file.unlink(missing_ok=True)
     # The pid lets stop_ray end exactly this process. Slurm sends the job's warning signal
@@ -208,7 +210,7 @@ def _launch(node: RayNode, args: list[str], run_dir: Path, env: dict[str, str]) 
     # SIG_IGN is inherited by every Ray process.
     inner = f"echo $$ > {shlex.quote(str(pid_file))}; trap '' USR1 USR2; exec \"$0\" \"$@\""
     cmd = ["srun", *_step_flags(node, node.num_cpus), f"--job-name=ray-{node.name}",
-           "--kill-on-bad-exit=0", "sh", "-c", inner, ray_bin, *args]
+           "--kill-on-bad-exit=0", "sh", "-c", inner, *ray_cli, *args]
     with open(run_dir / f"ray-{node.name}.log", "ab") as log:
         # own session: the driver's terminal signals must not reach the steps directly
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_step_env(env),

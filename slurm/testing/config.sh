@@ -15,7 +15,18 @@ RL_SLURM_SLURMD_PORT=${RL_SLURM_SLURMD_PORT:-6818}    # same port on every node:
 RL_SLURM_DBD_PORT=${RL_SLURM_DBD_PORT:-6819}
 RL_SLURM_DB_PORT=${RL_SLURM_DB_PORT:-3307}             # MariaDB, loopback only
 RL_SLURM_START_TIMEOUT_S=${RL_SLURM_START_TIMEOUT_S:-90}
+# GPUs as GRES, per node: "n1=0 n3=1" gives n1 /dev/nvidia0 and n3 /dev/nvidia1 ("n3=2,3": two).
+# Empty (the default, CI): no GRES at all.
+RL_SLURM_GPUS=${RL_SLURM_GPUS:-}
+# `slurmdbd` (MariaDB + slurmdbd, sacct works) or `none` (no accounting: a machine that has no
+# MariaDB, e.g. the GPU machine; sacct then fails, `launch.submit --wait` still ends on the
+# job's result file).
+RL_SLURM_ACCOUNTING=${RL_SLURM_ACCOUNTING:-slurmdbd}
+# A folder of .deb files to install from instead of apt-get (a machine without network); see
+# slurm/testing/fetch_debs.sh.
+RL_SLURM_DEBS=${RL_SLURM_DEBS:-}
 
+export PATH=$PATH:/usr/sbin:/sbin                     # the daemons (not in PATH everywhere)
 ETC=$RL_SLURM_DIR/etc
 RUN=$RL_SLURM_DIR/run
 LOG=$RL_SLURM_DIR/log
@@ -24,6 +35,12 @@ DB_SOCKET=$RUN/mysqld.sock
 export SLURM_CONF=$ETC/slurm.conf
 
 ns_name() { echo "rl-$1"; }
+
+# The GPU indices RL_SLURM_GPUS gives node $1 ("0,1"), empty when none.
+node_gpus() {
+  local kv
+  for kv in $RL_SLURM_GPUS; do if [[ ${kv%%=*} == "$1" ]]; then echo "${kv#*=}"; fi; done
+}
 
 # True when the pid in file $1 names a live process.
 pid_alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }

@@ -7,7 +7,11 @@
 # UTS/mount namespace (hostname nX, a private /etc/hosts), so Ray inside a job sees 3 machines.
 # n1,n2 carry the feature `trainer`, n3 `rollout`; partitions: `batch` (default, low priority,
 # GraceTime=20, preempted jobs are requeued) and `urgent` (high priority).
-# Clients source $RL_SLURM_DIR/env.sh (SLURM_CONF). Deliberately left out: cgroups, GPUs (gres).
+# Clients source $RL_SLURM_DIR/env.sh (SLURM_CONF). Deliberately left out: cgroups.
+# GPUs (RL_SLURM_GPUS="n1=0 n3=1", config.sh) become GRES `gpu` of those nodes; without cgroups
+# nothing hides a node's other GPUs, so a TaskProlog (task_prolog.sh) points CUDA_VISIBLE_DEVICES
+# at the machine's device numbers Slurm allocated.
+# RL_SLURM_ACCOUNTING=none: no MariaDB/slurmdbd (sacct does not work then).
 # Exit codes: 0 ready, 3 not root, 4 no apt-get, 5 timed out waiting for the nodes.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -19,7 +23,8 @@ if [[ $(id -u) -ne 0 ]]; then echo "start.sh: needs root (namespaces, daemons)" 
 mkdir -p "$(dirname "$RL_SLURM_DIR")"
 # (every daemon below is started with `9>&-`: one inheriting the lock would hold it forever)
 exec 9>"$RL_SLURM_DIR.lock"; flock -w 300 9
-mkdir -p "$ETC" "$RUN/munge" "$LOG" "$RL_SLURM_DIR/ctld" "$RL_SLURM_DIR/spool"
+mkdir -p "$ETC" "$RUN/munge" "$LOG" "$RL_SLURM_DIR/ctld"
+for node in "${RL_SLURM_NODES[@]}"; do mkdir -p "$RL_SLURM_DIR/spool/$node"; done
 chmod 755 "$RL_SLURM_DIR" "$RUN" "$RUN/munge"   # munge refuses a socket dir others can write
 t0=$SECONDS
 step() { echo "start.sh: [$((SECONDS - t0))s] $*"; }
@@ -49,83 +54,9 @@ done
 
 # ---------------------------------------------------------------- configuration files
 [[ -f $ETC/slurm.conf ]] && cp "$ETC/slurm.conf" "$ETC/slurm.conf.old"
-cat >"$ETC/slurm.conf" <<CONF
-ClusterName=$RL_SLURM_CLUSTER
-SlurmctldHost=$(hostname -s)($RL_SLURM_HOST_IP)
-SlurmctldPort=$RL_SLURM_CTLD_PORT
-SlurmdPort=$RL_SLURM_SLURMD_PORT
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-# cred_expire: a requeued job may start again only after this many seconds (default 120)
-AuthInfo=socket=$MUNGE_SOCKET,cred_expire=10
-StateSaveLocation=$RL_SLURM_DIR/ctld
-SlurmdSpoolDir=$RL_SLURM_DIR/spool/%n
-SlurmctldPidFile=$RUN/slurmctld.pid
-SlurmdPidFile=$RUN/slurmd-%n.pid
-SlurmctldLogFile=$LOG/slurmctld.log
-SlurmdLogFile=$LOG/slurmd-%n.log
-SlurmctldDebug=info
-SlurmdDebug=info
-# pgid: linuxproc leaks processes after scancel; no cgroups here
-ProctrackType=proctrack/pgid
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-# the advertised CPUs/memory are more than the machine has: trust slurm.conf
-SlurmdParameters=config_overrides
-MpiDefault=none
-ReturnToService=2
-# without these, a submitted job waits ~11 s for the scheduler
-SchedulerParameters=bf_interval=1,sched_interval=1
-JobRequeue=1
-PreemptType=preempt/partition_prio
-PreemptMode=REQUEUE
-# 22.05 has no PreemptParameters; this makes preemption send the job's --signal first
-SlurmctldParameters=preempt_send_user_signal
-MinJobAge=3600
-KillWait=5
-InactiveLimit=0
-SlurmdTimeout=60
-MessageTimeout=10
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=$RL_SLURM_HOST_IP
-AccountingStoragePort=$RL_SLURM_DBD_PORT
-# for slurmdbd this names the munge socket that clients (sacct, sacctmgr) use to reach it
-AccountingStoragePass=$MUNGE_SOCKET
-JobCompType=jobcomp/none
-CONF
-for i in "${!RL_SLURM_NODES[@]}"; do
-  echo "NodeName=${RL_SLURM_NODES[$i]} NodeAddr=${RL_SLURM_NODE_IPS[$i]} CPUs=$RL_SLURM_NODE_CPUS RealMemory=$RL_SLURM_NODE_MEM_MB Features=${RL_SLURM_FEATURES[$i]} State=UNKNOWN" >>"$ETC/slurm.conf"
-done
-all_nodes=$(IFS=,; echo "${RL_SLURM_NODES[*]}")
-cat >>"$ETC/slurm.conf" <<CONF
-PartitionName=batch Nodes=$all_nodes Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=20 MaxTime=INFINITE State=UP
-PartitionName=urgent Nodes=$all_nodes PriorityTier=10 PreemptMode=OFF MaxTime=INFINITE State=UP
-CONF
-
-db_pass_file=$ETC/db_pass
-[[ -s $db_pass_file ]] || (umask 077; head -c 18 /dev/urandom | base64 | tr -d '/+=' >"$db_pass_file")
-(umask 077; cat >"$ETC/slurmdbd.conf" <<CONF
-AuthType=auth/munge
-AuthInfo=socket=$MUNGE_SOCKET
-DbdHost=$(hostname -s)
-DbdAddr=$RL_SLURM_HOST_IP
-DbdPort=$RL_SLURM_DBD_PORT
-SlurmUser=root
-PidFile=$RUN/slurmdbd.pid
-LogFile=$LOG/slurmdbd.log
-DebugLevel=info
-StorageType=accounting_storage/mysql
-StorageHost=127.0.0.1
-StoragePort=$RL_SLURM_DB_PORT
-StorageUser=slurm
-StoragePass=$(cat "$db_pass_file")
-StorageLoc=slurm_acct_db
-CONF
-)
+source "$HERE/write_config.sh"
+# cgroup v2 without systemd (cgroup.conf's IgnoreSystemd): slurmd makes its stepds' scope itself
+[[ -f $ETC/cgroup.conf ]] && mkdir -p /sys/fs/cgroup/system.slice
 
 if [[ -f $ETC/slurm.conf.old ]] && pid_alive "$RUN/slurmctld.pid" && ! cmp -s "$ETC/slurm.conf"{,.old}; then
   echo "start.sh: WARNING: slurm.conf changed while the cluster runs; run stop.sh, then start.sh" >&2
@@ -141,35 +72,37 @@ fi
 
 # ---------------------------------------------------------------- MariaDB + slurmdbd
 db() { mariadb --no-defaults --socket="$DB_SOCKET" -uroot "$@"; }
-if ! pid_alive "$RUN/mysqld.pid"; then
-  if [[ ! -d $RL_SLURM_DIR/mysql/mysql ]]; then
-    mariadb-install-db --no-defaults --user=root --datadir="$RL_SLURM_DIR/mysql" \
-      --auth-root-authentication-method=normal --skip-test-db >"$LOG/mariadb-install.log" 2>&1
+if [[ $RL_SLURM_ACCOUNTING != none ]]; then
+  if ! pid_alive "$RUN/mysqld.pid"; then
+    if [[ ! -d $RL_SLURM_DIR/mysql/mysql ]]; then
+      mariadb-install-db --no-defaults --user=root --datadir="$RL_SLURM_DIR/mysql" \
+        --auth-root-authentication-method=normal --skip-test-db >"$LOG/mariadb-install.log" 2>&1
+    fi
+    # setsid: its own session, so that killing the caller's process group (a test runner's
+    # timeout) does not take the database down with it (the other daemons daemonize themselves)
+    setsid mariadbd --no-defaults --user=root --datadir="$RL_SLURM_DIR/mysql" --socket="$DB_SOCKET" \
+      --port="$RL_SLURM_DB_PORT" --bind-address=127.0.0.1 --skip-name-resolve \
+      --pid-file="$RUN/mysqld.pid" --log-error="$LOG/mariadb.log" \
+      --innodb-buffer-pool-size=64M --innodb-lock-wait-timeout=900 >/dev/null 2>&1 9>&- &
+    for _ in $(seq 60); do db -e 'select 1' >/dev/null 2>&1 && break; sleep 0.5; done
+    if ! db -e 'select 1' >/dev/null 2>&1; then
+      echo "start.sh: MariaDB did not come up; $LOG/mariadb.log:" >&2; tail -20 "$LOG/mariadb.log" >&2; exit 1
+    fi
+    db -e "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$(cat "$db_pass_file")';
+           GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
+    step "mariadb started"
   fi
-  # setsid: its own session, so that killing the caller's process group (a test runner's
-  # timeout) does not take the database down with it (the other daemons daemonize themselves)
-  setsid mariadbd --no-defaults --user=root --datadir="$RL_SLURM_DIR/mysql" --socket="$DB_SOCKET" \
-    --port="$RL_SLURM_DB_PORT" --bind-address=127.0.0.1 --skip-name-resolve \
-    --pid-file="$RUN/mysqld.pid" --log-error="$LOG/mariadb.log" \
-    --innodb-buffer-pool-size=64M --innodb-lock-wait-timeout=900 >/dev/null 2>&1 9>&- &
-  for _ in $(seq 60); do db -e 'select 1' >/dev/null 2>&1 && break; sleep 0.5; done
-  if ! db -e 'select 1' >/dev/null 2>&1; then
-    echo "start.sh: MariaDB did not come up; $LOG/mariadb.log:" >&2; tail -20 "$LOG/mariadb.log" >&2; exit 1
+  if ! pid_alive "$RUN/slurmdbd.pid"; then
+    slurmdbd 9>&-
+    for _ in $(seq 40); do sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.5; done
+    if ! sacctmgr -n list cluster >/dev/null 2>&1; then
+      echo "start.sh: slurmdbd not answering; $LOG/slurmdbd.log:" >&2; tail -20 "$LOG/slurmdbd.log" >&2; exit 1
+    fi
+    step "slurmdbd started"
   fi
-  db -e "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$(cat "$db_pass_file")';
-         GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
-  step "mariadb started"
-fi
-if ! pid_alive "$RUN/slurmdbd.pid"; then
-  slurmdbd 9>&-
-  for _ in $(seq 40); do sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.5; done
-  if ! sacctmgr -n list cluster >/dev/null 2>&1; then
-    echo "start.sh: slurmdbd not answering; $LOG/slurmdbd.log:" >&2; tail -20 "$LOG/slurmdbd.log" >&2; exit 1
+  if ! sacctmgr -n -P list cluster format=cluster | grep -qx "$RL_SLURM_CLUSTER"; then
+    sacctmgr -i add cluster "$RL_SLURM_CLUSTER" >/dev/null
   fi
-  step "slurmdbd started"
-fi
-if ! sacctmgr -n -P list cluster format=cluster | grep -qx "$RL_SLURM_CLUSTER"; then
-  sacctmgr -i add cluster "$RL_SLURM_CLUSTER" >/dev/null
 fi
 
 # ---------------------------------------------------------------- slurmctld + slurmd per node
