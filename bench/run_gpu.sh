@@ -7,6 +7,8 @@
 #   (fp8gemm: the decode GEMMs, FP8 paths vs BF16 vs the roofline; issue 16's measurement)
 #   (r3: routing replay, native FP8 engine vs BF16 trainer model; not in the default list)
 #   (tests_sync_only: the sync test without the RL step)
+#   (topology: issue 17's Slurm hetjob on GPU nodes, bench/topology_gpu.py; carry .whl, .ray
+#    (bench/ray_slim.sh) and .debs (slurm/testing/fetch_debs.sh))
 # Writes into $OUT (default bench/results): run.log, gpu_report.jsonl, <bench>.json / .md.
 # Each section has its own time limit, so one hang cannot eat the others. GPU tests run with
 # RL_GPU_STRICT=1 (a skipped GPU test fails: no missing dependency passes as green) and the
@@ -25,6 +27,13 @@ else
     export PYTHONPATH=$PWD
 fi
 export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+if [ -f .ray/ray_slim.tar.xz ] && ! python3 -c "import ray" 2>/dev/null; then
+    # the slim Ray of bench/ray_slim.sh, and the small wheels beside it (submitit, jsonschema)
+    mkdir -p /tmp/site && tar -xJf .ray/ray_slim.tar.xz -C /tmp/site >>"$LOG" 2>&1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+        .ray/*.whl >>"$LOG" 2>&1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
 sections=${*:-tests_native rollout sync tests_sync train}
 
 failed=()
@@ -57,6 +66,7 @@ for s in $sections; do
                 run v4_attention 300 python3 -m bench.v4_attention --out "$OUT" ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ;;
         fp8gemm) run fp8_gemm 150 python3 -m bench.fp8_gemm --out "$OUT" ;;
+        topology) run topology 560 python3 -m bench.topology_gpu --out "$OUT" ;;
         r3) run routing_replay 240 python3 -m bench.routing_replay --out "$OUT" ;;
         *) echo "unknown section $s" | tee -a "$LOG"; failed+=("$s") ;;
     esac
