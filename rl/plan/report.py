@@ -240,10 +240,10 @@ def build(cfg: Config, arch: Arch, title: str, notes: list[str]) -> PlanVerdict:
     fits = trainer.fits and rollout.fits
     verdict = ("FITS" if fits else "DOES NOT FIT: " + ", ".join(
         g.name for g in (trainer, rollout) if not g.fits))
-    lines += ["", f"Verdict: {verdict}"]
     time = None
     if cfg.cluster.trainer.gpus_per_node > 0 and rollout.kv is not None:
         time = estimate(cfg, arch, rollout)
         lines += ["", "Step time estimate (rl/plan/timing.py; validated in "
                   "bench/results/plan_time.md):"] + [f"  {ln}" for ln in time.lines]
+    lines += ["", f"Verdict: {verdict}"]
     return PlanVerdict(fits, "\n".join(lines), trainer, rollout, arch, time)

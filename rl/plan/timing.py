@@ -100,9 +100,11 @@ def attention_flops_per_token(arch: Arch, seq: int) -> float:
 
 def matmul_params(arch: Arch) -> float:
     """Active parameters a token multiplies by, without V4's attention modules (timed apart)."""
+    # active_params leaves out the input embedding (a lookup); a tied LM head still multiplies
+    tied = arch.input_embedding_params if arch.config.get("tie_word_embeddings") else 0
     if arch.model_type in EAGER_ONLY:
-        return arch.active_params - _attention_params(arch)
-    return arch.active_params
+        return arch.active_params + tied - _attention_params(arch)
+    return arch.active_params + tied
 
 
 def trainer_compute_s(arch: Arch, tokens: float, seq: int, epochs: int, checkpointing: bool,
@@ -246,7 +248,7 @@ def estimate(cfg: Config, arch: Arch, rollout: GroupPlan) -> StepTime:
     waves = math.ceil(per_engine / rows)
     kv = rollout.kv
     gen = decode_s(streamed_weight_bytes(arch, tp, fp8), kv.per_token, kv.per_sequence, rows,
-                   prompt, r.max_new_tokens, arch.active_params, dev,
+                   prompt, r.max_new_tokens, matmul_params(arch), dev,
                    p.decode_step_overhead_ms * 1e-3, tp)
     roll = waves * sum(gen.values())
 

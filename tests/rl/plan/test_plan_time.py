@@ -1,0 +1,88 @@
+"""The step-time estimate (rl/plan/timing.py): its arithmetic, and its validation against the
+2 x H200 measurements committed in bench/results (bench/plan_time.py; CPU, reads JSONs)."""
+import json
+
+import pytest
+
+from bench import plan_time
+from rl.config import ConfigError, load_config
+from rl.plan import check
+from rl.plan.timing import DEVICES, ring_s
+
+V4 = "configs/deepseek_v4_flash_3node.yaml"
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return plan_time.compare(with_async=False)   # the async rows need transformers (seconds)
+
+
+def test_every_check_row_is_within_25_percent_or_a_declared_miss(rows):
+    checks = [r for r in rows if r["role"] == "check"]
+    assert len(checks) >= 15   # train, sync, rollout and V4 attention JSONs were all read
+    for r in checks:
+        key = f"{r['component']} {r['case']}"
+        if key in plan_time.MISSES:
+            assert not r["within_25%"], f"{key} is now within 25%: drop it from MISSES"
+        else:
+            assert 0.75 <= r["ratio"] <= 1.33, f"{key}: predicted / measured {r['ratio']:.2f}"
+    assert set(plan_time.MISSES) <= {f"{r['component']} {r['case']}" for r in checks}
+
+
+def test_each_constant_is_fitted_on_one_row_and_the_default_is_that_fit(rows):
+    fits = [r for r in rows if r["role"] == "fit"]
+    assert sorted(r["component"] for r in fits) == [
+        "rollout", "train", "v4 attention", "weight sync"]
+    for r in fits:
+        assert r["ratio"] == pytest.approx(1.0, abs=0.01), r
+    implied = plan_time.fitted_constants(rows)
+    for key, value in implied.items():
+        assert getattr(plan_time.DEFAULTS, key.split(".")[1]) == pytest.approx(value, rel=0.01)
+
+
+def test_committed_table_is_what_the_code_computes(rows):
+    committed = json.loads((plan_time.RESULTS / "plan_time.json").read_text())["rows"]
+    committed = [r for r in committed if r["role"] != "report"]
+    assert [(r["case"], round(r["ratio"], 3)) for r in committed] == [
+        (r["case"], round(r["ratio"], 3)) for r in rows]
+
+
+def test_v4_plan_prints_time_breakdown_and_staleness_overlaps():
+    on = check(load_config([V4], []))
+    text = on.report
+    for part in ("Step time estimate", "ZeRO-3 collectives over IB", "weight sync:",
+                 "decode: weights + KV", "step (on-policy: rollout + train + sync)"):
+        assert part in text
+    t = on.time
+    assert t.total == pytest.approx(t.rollout + t.train + t.sync)
+    stale = check(load_config([V4], ["algorithm.max_staleness=1"])).time
+    assert stale.total == pytest.approx(max(stale.rollout, stale.train + stale.sync))
+    assert stale.total < t.total
+
+
+def test_expert_parallel_replaces_most_zero3_traffic():
+    base = check(load_config([V4], [])).time
+    ep = check(load_config([V4], ["trainer.expert_parallel_size=8"]))
+    assert "expert parallel 8: all-to-all" in ep.report
+    assert ep.time.train < base.train / 1.5   # ZeRO-3 no longer gathers 256 experts per layer
+
+
+def test_bandwidth_overrides_scale_the_estimate():
+    slow = check(load_config([V4], ["plan.inter_node_gbps=25"])).time
+    fast = check(load_config([V4], ["plan.inter_node_gbps=100"])).time
+    assert slow.train > fast.train and slow.sync > fast.sync
+    mi = check(load_config([V4], ["plan.device=mi300x"]))
+    assert "AMD MI300X datasheet" in mi.report
+
+
+def test_ring_volume():
+    assert ring_s(8e9, 1, 50) == 0.0
+    assert ring_s(8e9, 16, 50) == pytest.approx(8e9 * 15 / 16 / 50e9)
+    assert DEVICES["h200"].matmul_tflops == pytest.approx(791, rel=0.01)
+
+
+@pytest.mark.parametrize("override", ["plan.trainer_mfu=0", "plan.sync_efficiency=1.5",
+                                      "plan.hbm_gbps=-1", "plan.device=h100"])
+def test_bad_rates_are_config_errors(override):
+    with pytest.raises(ConfigError, match=override.split("=")[0].split(".")[1]):
+        load_config([V4], [override])
