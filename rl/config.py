@@ -653,15 +653,15 @@ class PlanConfig:
     inter_node_gbps: float | None = None
     """InfiniBand / RoCE bandwidth per GPU between nodes [GB/s]: collectives spanning nodes and the
     trainer -> rollout weight sync; null = the preset's (one 400 Gb/s NIC per GPU: 50)."""
-    trainer_mfu: float = 0.195
-    """Fraction of `matmul_tflops` the trainer reaches counting every FLOP it runs (old-log-prob
-    forward, forward, backward, recompute), in (0, 1]. Default fitted on bench/results/train.json
-    (Qwen3-0.6B, ZeRO-2, 1 x H200: 19.5%)."""
+    mfu: float = 0.195
+    """Fraction of `matmul_tflops` that passes over many tokens reach, counting every FLOP run
+    (trainer: old-log-prob forward, forward, backward, recompute; rollout: prefill), in (0, 1].
+    Default fitted on bench/results/train.json (Qwen3-0.6B, ZeRO-2, 1 x H200: 19.5%)."""
     sync_efficiency: float = 0.496
     """Fraction of the link bandwidth the weight sync reaches end to end (packing, quantising,
     loading included), in (0, 1]. Default fitted on bench/results/weight_sync.json (FP8 wire:
     182 of 368 GB/s)."""
-    decode_step_overhead_ms: float = 1.45
+    decode_step_overhead_ms: float = 1.40
     """Fixed cost of one decode step besides streaming weights and KV cache [ms]: kernel launch
     floors and sampling. Default fitted on bench/results/rollout.json (native BF16, Qwen3-0.6B,
     batch 64, 1,024 new tokens)."""
@@ -672,7 +672,7 @@ class PlanConfig:
         for name in ("matmul_tflops", "hbm_gbps", "intra_node_gbps", "inter_node_gbps"):
             value = getattr(self, name)
             _check(value is None or value > 0, name, value, "null or a value > 0")
-        for name in ("trainer_mfu", "sync_efficiency"):
+        for name in ("mfu", "sync_efficiency"):
             value = getattr(self, name)
             _check(0 < value <= 1, name, value, "a value in (0, 1]")
         _check(self.model_config is None or bool(self.model_config), "model_config",

@@ -3,7 +3,7 @@
 Each component is bytes or FLOPs over a rate (units: seconds, bytes, FLOP, GB/s = 1e9 B/s):
 
 - trainer compute: tokens x active matmul parameters x (2 old-log-prob forward + per epoch 6
-  forward/backward + 2 recompute with activation checkpointing) / (matmul rate x trainer_mfu),
+  forward/backward + 2 recompute with activation checkpointing) / (matmul rate x mfu),
   plus causal attention FLOPs; DeepSeek-V4 attention at the rate measured for
   rl.models.v4_attention (bench/results/v4_attention.json), not by FLOPs (that kernel runs far
   from the matmul peak);
@@ -14,8 +14,8 @@ Each component is bytes or FLOPs over a rate (units: seconds, bytes, FLOP, GB/s 
   (n - 1) / n over the per-GPU link (inter-node when the group spans nodes);
 - weight sync: the wire bytes (FP8 with `sync.wire_dtype: fp8`) broadcast from trainer rank 0,
   over the link x sync_efficiency, plus ZeRO-3's gather of the full weights onto rank 0;
-- rollout, per engine: prefill at max(FLOPs / matmul rate, weight bytes / HBM), then every decode
-  step streams the weights of one TP rank and every row's KV context over HBM, plus
+- rollout, per engine: prefill at max(FLOPs / (matmul rate x mfu), weight bytes / HBM), then
+  every decode step streams the weights of one TP rank and every row's KV context over HBM, plus
   decode_step_overhead_ms; waves when the KV cache holds fewer rows than the engine's share;
 - the step: on-policy rollout + train + sync; with max_staleness >= 1 the next rollout overlaps
   training: max(rollout, train + sync).
@@ -145,8 +145,8 @@ def trainer_comm_s(cfg: Config, arch: Arch, micro_batches: int, tokens_per_mb: f
     if t.zero_stage == 3:   # gather per pass, reduce-scatter per backward, every micro-batch
         per_mb = 1 + epochs * 3
         zero = micro_batches * per_mb * ring_s(zero_bytes, n, link)
-    elif t.zero_stage in (1, 2):
-        zero = (micro_batches * epochs + 1) * ring_s(zero_bytes, n, link)
+    elif t.zero_stage in (1, 2):   # gradients per micro-batch, parameters per optimizer step
+        zero = (micro_batches + t.num_mini_batches) * epochs * ring_s(zero_bytes, n, link)
     else:   # all-reduce = reduce-scatter + all-gather
         zero = micro_batches * epochs * 2 * ring_s(zero_bytes, n, link)
     a2a = 0.0
@@ -168,14 +168,15 @@ def sync_s(wire_bytes: float, gbps: float, efficiency: float) -> float:
 
 
 def decode_s(weight_bytes: float, kv_per_token: float, kv_per_sequence: float, rows: int,
-             prompt: int, new: int, active_params: float, dev: Device, step_overhead_s: float,
-             tp: int = 1) -> dict[str, float]:
+             prompt: int, new: int, active_params: float, attn_fwd_per_token: float,
+             dev: Device, mfu: float, step_overhead_s: float, tp: int = 1) -> dict[str, float]:
     """One generate call of `rows` sequences on one engine (its TP ranks in parallel):
     {'prefill': s, 'decode': s}. weight_bytes / kv_* are per TP rank; `weight_bytes` is what
-    a decode step streams (without an untied input embedding, which is only indexed)."""
+    a decode step streams (without an untied input embedding, which is only indexed). The
+    prefill is a forward over rows x prompt tokens at `mfu`, like the trainer's passes."""
     hbm = dev.hbm_gbps * GB
-    flops = 2 * active_params * rows * prompt / tp
-    prefill = max(flops / (dev.matmul_tflops * 1e12), weight_bytes / hbm)
+    flops = (2 * active_params + attn_fwd_per_token) * rows * prompt / tp
+    prefill = max(flops / (dev.matmul_tflops * 1e12 * mfu), weight_bytes / hbm)
     steps = max(new - 1, 0)   # the first token comes out of the prefill
     ctx = rows * (steps * prompt + steps * (steps + 1) / 2)   # sum over steps of context rows
     decode = (steps * (weight_bytes + rows * kv_per_sequence) + ctx * kv_per_token) / hbm
@@ -203,6 +204,11 @@ class StepTime:
     total: float
     lines: tuple[str, ...]
 
+    @property
+    def summary(self) -> str:
+        return (f"estimated step {_fmt(self.total)} (rollout {_fmt(self.rollout)}, train "
+                f"{_fmt(self.train)}, sync {_fmt(self.sync)})")
+
 
 def _row(label: str, seconds: float) -> str:
     return f"{label:<66}{_fmt(seconds):>12}"
@@ -224,7 +230,7 @@ def estimate(cfg: Config, arch: Arch, rollout: GroupPlan) -> StepTime:
     mb_tokens = max(t.micro_batch_tokens, seq)
     micro_batches = math.ceil(tokens_rank / mb_tokens)
     comp = trainer_compute_s(arch, tokens_rank, seq, t.ppo_epochs, t.activation_checkpointing,
-                             dev, p.trainer_mfu)
+                             dev, p.mfu)
     comm = trainer_comm_s(cfg, arch, micro_batches, min(mb_tokens, tokens_rank), dev)
     train = sum(comp.values()) + sum(comm.values())
 
@@ -248,7 +254,8 @@ def estimate(cfg: Config, arch: Arch, rollout: GroupPlan) -> StepTime:
     waves = math.ceil(per_engine / rows)
     kv = rollout.kv
     gen = decode_s(streamed_weight_bytes(arch, tp, fp8), kv.per_token, kv.per_sequence, rows,
-                   prompt, r.max_new_tokens, matmul_params(arch), dev,
+                   prompt, r.max_new_tokens, matmul_params(arch),
+                   attention_flops_per_token(arch, prompt), dev, p.mfu,
                    p.decode_step_overhead_ms * 1e-3, tp)
     roll = waves * sum(gen.values())
 
@@ -264,13 +271,14 @@ def estimate(cfg: Config, arch: Arch, rollout: GroupPlan) -> StepTime:
         f"every response runs to max_new_tokens: {samples:,} sequences x {seq:,} tokens",
         f"trainer, per rank: {micro_batches} micro-batch(es) of {min(mb_tokens, tokens_rank):,.0f} "
         f"tokens, {t.ppo_epochs} epoch(s)",
-        _row(f"  matmuls at {p.trainer_mfu:.1%} of peak (plan.trainer_mfu)", comp["matmul"]),
+        _row(f"  matmuls at {p.mfu:.1%} of peak (plan.mfu)", comp["matmul"]),
         _row("  attention at rl.models.v4_attention's measured rate" if arch.model_type
              in EAGER_ONLY else "  attention FLOPs", comp["attention"]),
         _row(f"  ZeRO-{t.zero_stage} collectives over {fabric}", comm["zero"]),
     ]
     if ep > 1:
-        lines.append(_row(f"  expert parallel {ep}: all-to-all, expert gradients", comm["all_to_all"]))
+        lines.append(_row(f"  expert parallel {ep}: all-to-all, expert gradients",
+                          comm["all_to_all"]))
     lines += [
         _row("  train", train),
         _row(f"weight sync: {wire / GB:,.1f} GB {'FP8' if fp8_wire else 'BF16'} at "
@@ -284,5 +292,9 @@ def estimate(cfg: Config, arch: Arch, rollout: GroupPlan) -> StepTime:
         _row("  rollout", roll),
         _row("step (on-policy: rollout + train + sync)" if staleness == 0 else
              f"step (max_staleness {staleness}: max(rollout, train + sync))", total),
+        f"not counted: {t.num_mini_batches * t.ppo_epochs} optimizer step(s)"
+        + (f" (offloaded to {t.optimizer_offload}: 16 B of fp32 state per parameter moves "
+           "each time)" if t.optimizer_offload != "none" else "")
+        + ", reward, evaluation, checkpoints",
     ]
     return StepTime(roll, train, sync_total, total, tuple(lines))

@@ -86,3 +86,11 @@ def test_ring_volume():
 def test_bad_rates_are_config_errors(override):
     with pytest.raises(ConfigError, match=override.split("=")[0].split(".")[1]):
         load_config([V4], [override])
+
+
+def test_submit_check_prints_the_estimate_in_one_line(capsys):
+    from launch.plan import check_or_exit
+    check_or_exit(load_config([V4], []), V4)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("plan: FITS, estimated step ")
+    assert "rollout " in err[0] and "train " in err[0] and "sync " in err[0]
