@@ -7,8 +7,8 @@ Each component is bytes or FLOPs over a rate (units: seconds, bytes, FLOP, GB/s 
   plus causal attention FLOPs; DeepSeek-V4 attention at the rate measured for
   rl.models.v4_attention (bench/results/v4_attention.json), not by FLOPs (that kernel runs far
   from the matmul peak);
-- trainer collectives per rank: ZeRO-3 all-gathers (old-log-prob forward, forward, backward) and
-  the gradient reduce-scatter per micro-batch, ZeRO-1/2 gradient reduction per micro-batch plus
+- trainer collectives per rank: ZeRO-3 all-gathers (old-log-prob forward, forward, recompute,
+  backward) and the gradient reduce-scatter per micro-batch, ZeRO-1/2 gradient reduction per micro-batch plus
   one parameter all-gather per step; expert parallelism's all-to-all (dispatch + combine of
   tokens x top_k x hidden, every pass) and the experts' gradient all-reduce; ring volume
   (n - 1) / n over the per-GPU link (inter-node when the group spans nodes);
@@ -142,8 +142,10 @@ def trainer_comm_s(cfg: Config, arch: Arch, micro_batches: int, tokens_per_mb: f
     routed = sum(x.numel for x in arch.tensors if x.routed) if ep > 1 else 0
     zero_bytes = w * (arch.total_params - routed)
     epochs = t.ppo_epochs
-    if t.zero_stage == 3:   # gather per pass, reduce-scatter per backward, every micro-batch
-        per_mb = 1 + epochs * 3
+    if t.zero_stage == 3:
+        # Every micro-batch: a gather per forward (old-log-prob, train, the recompute: ZeRO-3
+        # releases a module's parameters after its forward) and per backward, one reduce-scatter.
+        per_mb = 1 + epochs * (3 + (1 if t.activation_checkpointing else 0))
         zero = micro_batches * per_mb * ring_s(zero_bytes, n, link)
     elif t.zero_stage in (1, 2):   # gradients per micro-batch, parameters per optimizer step
         zero = (micro_batches + t.num_mini_batches) * epochs * ring_s(zero_bytes, n, link)

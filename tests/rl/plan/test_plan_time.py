@@ -94,3 +94,11 @@ def test_submit_check_prints_the_estimate_in_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("plan: FITS, estimated step ")
     assert "rollout " in err[0] and "train " in err[0] and "sync " in err[0]
+
+
+def test_readme_shows_the_estimate_the_planner_prints():
+    readme = (plan_time.RESULTS.parents[1] / "README.md").read_text()
+    start = readme.index("```text\nStep time estimate") + len("```text\n")
+    shown = readme[start:readme.index("```", start)].rstrip("\n")
+    report = check(load_config([V4], [])).report
+    assert shown in report
