@@ -16,6 +16,10 @@ measurement (role `fit`) and checked on others (role `check`):
 - the H200 preset's V4 attention rate is v4_attention.json at 8,192 tokens, checked at 4,096,
   16,384 and 18,432 (linear in tokens).
 
+bench/results/moe_actor.json, when present (2 x H200, V4-shaped, ZeRO-3 with and without EP=2),
+adds check rows for the bytes each rank's collectives move (counted from the model and the
+micro-batches, no rate involved) and for the step time.
+
 A `check` row passes when predicted / measured is in [0.75, 1.33]. Rows the model cannot
 predict from first principles are listed in MISSES with the reason and reported, not hidden;
 async_rl_gpu.json's tiny-model step (launch-bound) is reported the same way.
@@ -74,10 +78,11 @@ def load(results: Path, name: str) -> dict | None:
 
 
 def _row(component: str, case: str, role: str, predicted: float, measured: float,
-         inputs: str) -> dict:
+         inputs: str, unit: str = "s") -> dict:
+    """unit `s` (seconds) or `GB` (bytes moved by a rank's collectives in one step)."""
     ratio = predicted / measured
-    row = {"component": component, "case": case, "role": role, "predicted_s": predicted,
-           "measured_s": measured, "ratio": ratio, "inputs": inputs}
+    row = {"component": component, "case": case, "role": role, "unit": unit,
+           "predicted": predicted, "measured": measured, "ratio": ratio, "inputs": inputs}
     row["within_25%"] = LOW <= ratio <= HIGH
     row["why_not"] = MISSES.get(f"{component} {case}", "")
     return row
@@ -167,6 +172,65 @@ def v4_attention_rows(results: Path) -> list[dict]:
     return out
 
 
+def moe_actor_arch(layers: int, experts: int, top_k: int) -> plan_arch.Arch:
+    """bench.moe_actor's model: V4-Flash dims, `layers` layers (sliding, CSA, HCA, ...), all MoE."""
+    from rl.plan.source import known_models
+    c = json.loads(known_models()["deepseek-v4-flash"].read_text())
+    c.pop("compress_ratios", None)
+    kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    c.update(num_hidden_layers=layers, n_routed_experts=experts, num_experts_per_tok=top_k,
+             layer_types=[kinds[i % 3] for i in range(layers)])
+    return plan_arch.parse(c, "bench:moe_actor")
+
+
+def moe_actor_rows(results: Path) -> list[dict]:
+    """bench.moe_actor (2 x H200, ZeRO-3 with and without EP=2): the bytes each rank's
+    collectives move per step (a count, no rate involved) and the step time."""
+    import re
+
+    from rl.config import Config
+    from rl.plan.report import with_changes
+    from rl.plan.timing import trainer_comm_s
+    d = load(results, "moe_actor")
+    if d is None:
+        return []
+    m = re.search(r"(\d+) layers, (\d+) experts top-(\d+)", d["notes"][0])
+    n = re.search(r"\((\d+) \+ (\d+)\) tokens = (\d+) per step over 2 ranks, micro-batches of "
+                  r"(\d+) tokens", d["notes"][1])
+    layers, experts, top_k = (int(x) for x in m.groups())
+    prompt, response, tokens, mb = (int(x) for x in n.groups())
+    a = moe_actor_arch(layers, experts, top_k)
+    dev = replace(DEVICES["h200"], matmul_tflops=d["bf16_peak_TFLOPs"])
+    w, ranks = 2, 2
+    micro_batches = -(-tokens // ranks // mb)
+    out = []
+    for r in d["rows"]:
+        ep = 2 if "EP=2" in r["setup"] else 1
+        cfg = with_changes(Config(), {"model.dtype": "bfloat16", "trainer.num_ranks": ranks,
+                                      "trainer.zero_stage": 3, "trainer.micro_batch_tokens": mb,
+                                      "trainer.activation_checkpointing": True,
+                                      "trainer.expert_parallel_size": ep})
+        routed = sum(x.numel for x in a.tensors if x.routed) if ep > 1 else 0
+        zero = w * (a.total_params - routed)   # the gathered output / scattered input, full size
+        moe = sum(1 for k in a.mlp_kinds if k == "moe")
+        bytes_pred = {"all_gather_GB": micro_batches * 4 * zero,
+                      "reduce_scatter_GB": micro_batches * zero,
+                      "all_to_all_GB": (micro_batches * 4 * moe * 2 * mb * top_k * a.hidden * w
+                                        if ep > 1 else 0.0)}
+        for key, pred in bytes_pred.items():
+            if r.get(key):
+                out.append(_row("moe actor bytes", f"{r['setup']}: {key[:-3]}", "check",
+                                pred / 1e9, r[key], "counted from the model and micro-batches",
+                                unit="GB"))
+        comp = trainer_compute_s(a, tokens / ranks, prompt + response, 1, True, dev, DEFAULTS.mfu)
+        comm = trainer_comm_s(cfg, a, micro_batches, mb, dev)
+        out.append(_row("moe actor step", r["setup"], "check",
+                        sum(comp.values()) + sum(comm.values()), r["seconds_per_step"],
+                        f"peak {d['bf16_peak_TFLOPs']:.0f} TFLOP/s, plan.mfu {DEFAULTS.mfu}, "
+                        f"NVLink {dev.intra_node_gbps:.0f} GB/s (weight_sync.json)"))
+    return out
+
+
 def async_rows(results: Path) -> list[dict]:
     """The 2-GPU loop's step split. Its model is the tiny-qwen3-moe preset (1.8 M parameters):
     every part is launch- and latency-bound, which a throughput model cannot predict."""
@@ -198,7 +262,7 @@ def async_rows(results: Path) -> list[dict]:
 
 def compare(results: Path = RESULTS, with_async: bool = True) -> list[dict]:
     rows = train_rows(results) + sync_rows(results) + rollout_rows(results)
-    rows += v4_attention_rows(results)
+    rows += v4_attention_rows(results) + moe_actor_rows(results)
     return rows + (async_rows(results) if with_async else [])
 
 
@@ -215,7 +279,7 @@ def fitted_constants(rows: list[dict]) -> dict[str, float]:
         elif r["component"] == "rollout":   # the whole miss is per-step overhead
             steps = FIT_ROLLOUT[3] - 1
             out["plan.decode_step_overhead_ms"] = DEFAULTS.decode_step_overhead_ms + (
-                r["measured_s"] - r["predicted_s"]) / steps * 1e3
+                r["measured"] - r["predicted"]) / steps * 1e3
     return out
 
 
@@ -235,9 +299,11 @@ def write(rows: list[dict], out: Path) -> None:
              "device figures each run recorded, plus the three calibrated constants.", "",
              "| component | case | role | predicted | measured | ratio | within 25% | why not |",
              "|---|---|---|---:|---:|---:|---|---|"]
+    def fmt(v: float, unit: str) -> str:
+        return f"{v:,.2f} GB" if unit == "GB" else f"{v * 1e3:,.1f} ms"
     for r in rows:
         lines.append(f"| {r['component']} | {r['case']} | {r['role']} | "
-                     f"{r['predicted_s'] * 1e3:,.1f} ms | {r['measured_s'] * 1e3:,.1f} ms | "
+                     f"{fmt(r['predicted'], r['unit'])} | {fmt(r['measured'], r['unit'])} | "
                      f"{r['ratio']:.2f} | {'yes' if r['within_25%'] else 'no'} | "
                      f"{r['why_not']} |")
     lines += [""] + [f"- {n}" for n in notes] + [""]

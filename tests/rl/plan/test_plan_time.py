@@ -102,3 +102,25 @@ def test_readme_shows_the_estimate_the_planner_prints():
     shown = readme[start:readme.index("```", start)].rstrip("\n")
     report = check(load_config([V4], [])).report
     assert shown in report
+
+
+def test_moe_actor_reader_predicts_bytes_from_the_model_not_from_the_measurement(tmp_path):
+    # bench.moe_actor's schema (its notes carry the shape); the measured numbers are arbitrary:
+    # the predictions must not depend on them.
+    def write(scale):
+        rows = [{"setup": s, "seconds_per_step": 1.0 * scale, "all_gather_GB": 50.0 * scale,
+                 "reduce_scatter_GB": 10.0 * scale, "all_to_all_GB": (5.0 * scale if ep else 0.0)}
+                for s, ep in (("ZeRO-3, no EP", 0), ("ZeRO-3, EP=2", 1))]
+        notes = ["model: DeepSeek-V4 Flash dims, 2 layers, 64 experts top-6, 4.57 B parameters",
+                 "batch: 8 x (512 + 1536) tokens = 16384 per step over 2 ranks, micro-batches "
+                 "of 4096 tokens, activation checkpointing"]
+        (tmp_path / "moe_actor.json").write_text(json.dumps(
+            {"bf16_peak_TFLOPs": 790.0, "rows": rows, "notes": notes}))
+        return {r["case"]: r["predicted"] for r in plan_time.moe_actor_rows(tmp_path)}
+    one, other = write(1.0), write(3.0)
+    assert one == other
+    assert one["ZeRO-3, EP=2: all_gather"] < one["ZeRO-3, no EP: all_gather"] / 3
+    assert "ZeRO-3, EP=2: all_to_all" in one and "ZeRO-3, no EP: all_to_all" not in one
+    # 2 micro-batches per rank x 4 gathers x the bf16 parameters
+    arch = plan_time.moe_actor_arch(2, 64, 6)
+    assert one["ZeRO-3, no EP: all_gather"] == pytest.approx(2 * 4 * 2 * arch.total_params / 1e9)
