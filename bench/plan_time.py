@@ -243,7 +243,7 @@ def async_rows(results: Path) -> list[dict]:
     from rl.plan.memory import plan_rollout
     cmd = d["command"].split()
     overrides = [x for x in cmd if "=" in x and not x.startswith("--")]
-    cfg = load_config(["configs/local.yaml"], overrides + [
+    cfg = load_config([str(RESULTS.parents[1] / "configs" / "local.yaml")], overrides + [
         f"plan.matmul_tflops={DEVICES['h200'].matmul_tflops}"])
     config, where, _ = source.model_config(cfg)
     a = plan_arch.parse(config, where)

@@ -8,8 +8,8 @@ Each component is bytes or FLOPs over a rate (units: seconds, bytes, FLOP, GB/s 
   rl.models.v4_attention (bench/results/v4_attention.json), not by FLOPs (that kernel runs far
   from the matmul peak);
 - trainer collectives per rank: ZeRO-3 all-gathers (old-log-prob forward, forward, recompute,
-  backward) and the gradient reduce-scatter per micro-batch, ZeRO-1/2 gradient reduction per micro-batch plus
-  one parameter all-gather per step; expert parallelism's all-to-all (dispatch + combine of
+  backward) and the gradient reduce-scatter per micro-batch; ZeRO-1/2 gradient reduction per
+  micro-batch plus a parameter all-gather per optimizer step; expert parallelism's all-to-all (dispatch + combine of
   tokens x top_k x hidden, every pass) and the experts' gradient all-reduce; ring volume
   (n - 1) / n over the per-GPU link (inter-node when the group spans nodes);
 - weight sync: the wire bytes (FP8 with `sync.wire_dtype: fp8`) broadcast from trainer rank 0,
@@ -28,10 +28,10 @@ scoring, evaluation, checkpoints. Validation against the 2 x H200 measurements:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rl.config import Config
-from rl.models.attention import EAGER_ONLY
+from rl.models.attention import EAGER_ONLY, attention_kernel
 from rl.plan.arch import Arch
 from rl.plan.memory import GroupPlan, rollout_weight_bytes, sequence_length
 
@@ -73,7 +73,6 @@ def device(cfg: Config) -> Device:
                                       "inter_node_gbps") if getattr(p, k) is not None}
     if not over:
         return d
-    from dataclasses import replace
     return replace(d, **over, source=d.source + "; overridden: " + ", ".join(sorted(over)))
 
 
@@ -212,6 +211,14 @@ class StepTime:
                 f"{_fmt(self.train)}, sync {_fmt(self.sync)})")
 
 
+def _attention_label(arch: Arch, requested: str) -> str:
+    if arch.model_type not in EAGER_ONLY:
+        return "  attention FLOPs"
+    if attention_kernel(arch.model_type, requested) == "eager":  # only its memory is measured
+        return "  attention: eager, timed at v4_attention's rate (a lower bound)"
+    return "  attention at rl.models.v4_attention's measured rate"
+
+
 def _row(label: str, seconds: float) -> str:
     return f"{label:<66}{_fmt(seconds):>12}"
 
@@ -274,8 +281,7 @@ def estimate(cfg: Config, arch: Arch, rollout: GroupPlan) -> StepTime:
         f"trainer, per rank: {micro_batches} micro-batch(es) of {min(mb_tokens, tokens_rank):,.0f} "
         f"tokens, {t.ppo_epochs} epoch(s)",
         _row(f"  matmuls at {p.mfu:.1%} of peak (plan.mfu)", comp["matmul"]),
-        _row("  attention at rl.models.v4_attention's measured rate" if arch.model_type
-             in EAGER_ONLY else "  attention FLOPs", comp["attention"]),
+        _row(_attention_label(arch, t.attention_kernel), comp["attention"]),
         _row(f"  ZeRO-{t.zero_stage} collectives over {fabric}", comm["zero"]),
     ]
     if ep > 1:
@@ -297,6 +303,8 @@ def estimate(cfg: Config, arch: Arch, rollout: GroupPlan) -> StepTime:
         f"not counted: {t.num_mini_batches * t.ppo_epochs} optimizer step(s)"
         + (f" (offloaded to {t.optimizer_offload}: 16 B of fp32 state per parameter moves "
            "each time)" if t.optimizer_offload != "none" else "")
-        + ", reward, evaluation, checkpoints",
+        + ", reward, evaluation, checkpoints"
+        + (", V4 prefill attention (no measured inference rate)"
+           if arch.model_type in EAGER_ONLY else ""),
     ]
     return StepTime(roll, train, sync_total, total, tuple(lines))
