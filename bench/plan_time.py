@@ -260,10 +260,19 @@ def async_rows(results: Path) -> list[dict]:
     return rows
 
 
+READERS = {"train": train_rows, "weight_sync": sync_rows, "rollout": rollout_rows,
+           "v4_attention": v4_attention_rows, "moe_actor": moe_actor_rows,
+           "async_rl_gpu": async_rows}
+
+
 def compare(results: Path = RESULTS, with_async: bool = True) -> list[dict]:
-    rows = train_rows(results) + sync_rows(results) + rollout_rows(results)
-    rows += v4_attention_rows(results) + moe_actor_rows(results)
-    return rows + (async_rows(results) if with_async else [])
+    """Every row, tagged with the JSON it checks against (`source`)."""
+    rows = []
+    for name, read in READERS.items():
+        if name == "async_rl_gpu" and not with_async:
+            continue   # it needs the preset's config: transformers, seconds
+        rows += [{**r, "source": f"{name}.json"} for r in read(results)]
+    return rows
 
 
 def fitted_constants(rows: list[dict]) -> dict[str, float]:
@@ -293,7 +302,9 @@ def write(rows: list[dict], out: Path) -> None:
     notes.append("constants implied by the fit rows: " + ", ".join(
         f"{k} {v:.4g} (default {getattr(DEFAULTS, k.split('.')[1])})" for k, v in fits.items()))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "plan_time.json").write_text(json.dumps({"rows": rows, "notes": notes}, indent=2) + "\n")
+    sources = sorted({r["source"] for r in rows})
+    (out / "plan_time.json").write_text(
+        json.dumps({"sources": sources, "rows": rows, "notes": notes}, indent=2) + "\n")
     lines = ["# plan_time: the planner's step-time estimate vs the H200 measurements", "",
              "`python -m bench.plan_time` (CPU; reads bench/results/*.json). Inputs: only the "
              "device figures each run recorded, plus the three calibrated constants.", "",
