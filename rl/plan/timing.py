@@ -59,10 +59,10 @@ class Device:
 # links per GPU = 448 GB/s), 400 Gb/s NIC per GPU; nothing measured here.
 DEVICES = {
     "h200": Device("h200", 791.0, 4144.0, 368.0, 50.0, 156.6e3 / 8192,
-                   "measured on 2 x H200 (bench/results: train, rollout, weight_sync, "
-                   "v4_attention); inter-node 400 Gb/s per GPU from the DGX H200 datasheet"),
+                   "measured in bench/results (train, rollout, weight_sync, v4_attention); "
+                   "inter-node: DGX H200 datasheet"),
     "mi300x": Device("mi300x", 1307.0, 5300.0, 448.0, 50.0, None,
-                     "AMD MI300X datasheet (peak figures, not measured), 400 Gb/s NIC per GPU"),
+                     "AMD MI300X datasheet peaks, not measured; 400 Gb/s NIC per GPU"),
 }
 
 
