@@ -190,7 +190,7 @@ def moe_actor_rows(results: Path) -> list[dict]:
 
     from rl.config import Config
     from rl.plan.report import with_changes
-    from rl.plan.timing import trainer_comm_s
+    from rl.plan.timing import collective_bytes, trainer_comm_s
     d = load(results, "moe_actor")
     if d is None:
         return []
@@ -201,7 +201,7 @@ def moe_actor_rows(results: Path) -> list[dict]:
     prompt, response, tokens, mb = (int(x) for x in n.groups())
     a = moe_actor_arch(layers, experts, top_k)
     dev = replace(DEVICES["h200"], matmul_tflops=d["bf16_peak_TFLOPs"])
-    w, ranks = 2, 2
+    ranks = 2
     micro_batches = -(-tokens // ranks // mb)
     out = []
     for r in d["rows"]:
@@ -210,13 +210,9 @@ def moe_actor_rows(results: Path) -> list[dict]:
                                       "trainer.zero_stage": 3, "trainer.micro_batch_tokens": mb,
                                       "trainer.activation_checkpointing": True,
                                       "trainer.expert_parallel_size": ep})
-        routed = sum(x.numel for x in a.tensors if x.routed) if ep > 1 else 0
-        zero = w * (a.total_params - routed)   # the gathered output / scattered input, full size
-        moe = sum(1 for k in a.mlp_kinds if k == "moe")
-        bytes_pred = {"all_gather_GB": micro_batches * 4 * zero,
-                      "reduce_scatter_GB": micro_batches * zero,
-                      "all_to_all_GB": (micro_batches * 4 * moe * 2 * mb * top_k * a.hidden * w
-                                        if ep > 1 else 0.0)}
+        counted = collective_bytes(cfg, a, micro_batches, mb)
+        bytes_pred = {f"{k}_GB": counted[k]
+                      for k in ("all_gather", "reduce_scatter", "all_to_all")}
         for key, pred in bytes_pred.items():
             if r.get(key):
                 out.append(_row("moe actor bytes", f"{r['setup']}: {key[:-3]}", "check",

@@ -9,9 +9,10 @@ Each component is bytes or FLOPs over a rate (units: seconds, bytes, FLOP, GB/s 
   from the matmul peak);
 - trainer collectives per rank: ZeRO-3 all-gathers (old-log-prob forward, forward, recompute,
   backward) and the gradient reduce-scatter per micro-batch; ZeRO-1/2 gradient reduction per
-  micro-batch plus a parameter all-gather per optimizer step; expert parallelism's all-to-all (dispatch + combine of
-  tokens x top_k x hidden, every pass) and the experts' gradient all-reduce; ring volume
-  (n - 1) / n over the per-GPU link (inter-node when the group spans nodes);
+  micro-batch plus a parameter all-gather per optimizer step; expert parallelism's all-to-all
+  (dispatch + combine of tokens x top_k x hidden, every pass) and the experts' gradient
+  all-reduce per optimizer step; ring volume (n - 1) / n over the per-GPU link (inter-node when
+  the group spans nodes);
 - weight sync: the wire bytes (FP8 with `sync.wire_dtype: fp8`) broadcast from trainer rank 0,
   over the link x sync_efficiency, plus ZeRO-3's gather of the full weights onto rank 0;
 - rollout, per engine: prefill at max(FLOPs / (matmul rate x mfu), weight bytes / HBM), then
@@ -130,36 +131,52 @@ def ring_s(nbytes: float, ranks: int, gbps: float) -> float:
     return 0.0 if ranks <= 1 else nbytes * (ranks - 1) / ranks / (gbps * GB)
 
 
-def trainer_comm_s(cfg: Config, arch: Arch, micro_batches: int, tokens_per_mb: float,
-                   dev: Device) -> dict[str, float]:
-    """Seconds of one rank's collectives in one step: {'zero': s, 'all_to_all': s}."""
-    t, cl = cfg.trainer, cfg.cluster.trainer
-    n, ep = t.num_ranks, t.expert_parallel_size
+def collective_bytes(cfg: Config, arch: Arch, micro_batches: int, tokens_per_mb: float
+                     ) -> dict[str, float]:
+    """Bytes one trainer rank's collectives handle in one step, each call counted at its full
+    buffer (gathered output, scattered input, all-to-all input): {'all_gather',
+    'reduce_scatter', 'all_to_all', 'expert_all_reduce'}. ZeRO-0's all-reduce counts as a
+    reduce-scatter plus an all-gather."""
+    t = cfg.trainer
+    ep, epochs = t.expert_parallel_size, t.ppo_epochs
+    ckpt = 1 if t.activation_checkpointing else 0
     w = 2 if cfg.model.dtype == "bfloat16" else 4
-    spans = cfg.cluster.num_nodes("trainer") > 1 and cl.gpus_per_node > 0
-    link = dev.inter_node_gbps if spans else dev.intra_node_gbps
     routed = sum(x.numel for x in arch.tensors if x.routed) if ep > 1 else 0
-    zero_bytes = w * (arch.total_params - routed)
-    epochs = t.ppo_epochs
+    zero = w * (arch.total_params - routed)
     if t.zero_stage == 3:
         # Every micro-batch: a gather per forward (old-log-prob, train, the recompute: ZeRO-3
         # releases a module's parameters after its forward) and per backward, one reduce-scatter.
-        per_mb = 1 + epochs * (3 + (1 if t.activation_checkpointing else 0))
-        zero = micro_batches * per_mb * ring_s(zero_bytes, n, link)
+        gathers, scatters = micro_batches * (1 + epochs * (2 + ckpt)), micro_batches * epochs
     elif t.zero_stage in (1, 2):   # gradients per micro-batch, parameters per optimizer step
-        zero = (micro_batches + t.num_mini_batches) * epochs * ring_s(zero_bytes, n, link)
-    else:   # all-reduce = reduce-scatter + all-gather
-        zero = micro_batches * epochs * 2 * ring_s(zero_bytes, n, link)
-    a2a = 0.0
+        gathers, scatters = t.num_mini_batches * epochs, micro_batches * epochs
+    else:
+        gathers = scatters = micro_batches * epochs
+    out = {"all_gather": gathers * zero, "reduce_scatter": scatters * zero,
+           "all_to_all": 0.0, "expert_all_reduce": 0.0}
     if ep > 1 and arch.num_experts:
         moe_layers = sum(1 for k in arch.mlp_kinds if k == "moe")
-        ep_link = dev.intra_node_gbps if ep <= max(cl.gpus_per_node, 1) else dev.inter_node_gbps
-        passes = 1 + epochs * (2 + (1 if t.activation_checkpointing else 0))
-        per_pass = 2 * tokens_per_mb * arch.top_k * arch.hidden * w * (ep - 1) / ep
-        a2a = micro_batches * passes * moe_layers * per_pass / (ep_link * GB)
-        replicas = n // ep   # each expert shard lives on n / ep ranks: gradient all-reduce
-        rep_link = dev.inter_node_gbps if spans else dev.intra_node_gbps
-        a2a += epochs * 2 * ring_s(w * routed / ep, replicas, rep_link)
+        passes = 1 + epochs * (2 + ckpt)   # forwards (old-log-prob, train, recompute), backward
+        out["all_to_all"] = (micro_batches * passes * moe_layers
+                             * 2 * tokens_per_mb * arch.top_k * arch.hidden * w)  # out and back
+        out["expert_all_reduce"] = t.num_mini_batches * epochs * w * routed / ep
+    return out
+
+
+def trainer_comm_s(cfg: Config, arch: Arch, micro_batches: int, tokens_per_mb: float,
+                   dev: Device) -> dict[str, float]:
+    """Seconds of one rank's collectives in one step: {'zero': s, 'all_to_all': s} (the
+    latter with the experts' gradient all-reduce), `collective_bytes` over the links."""
+    t, cl = cfg.trainer, cfg.cluster.trainer
+    n, ep = t.num_ranks, t.expert_parallel_size
+    b = collective_bytes(cfg, arch, micro_batches, tokens_per_mb)
+    spans = cfg.cluster.num_nodes("trainer") > 1 and cl.gpus_per_node > 0
+    link = dev.inter_node_gbps if spans else dev.intra_node_gbps
+    zero = ring_s(b["all_gather"] + b["reduce_scatter"], n, link)
+    # EP groups are consecutive ranks: inside a node unless a group is wider than one
+    ep_link = dev.inter_node_gbps if spans and ep > cl.gpus_per_node else dev.intra_node_gbps
+    a2a = b["all_to_all"] * (ep - 1) / ep / (ep_link * GB)   # the own shard stays local
+    replicas = n // ep   # an expert shard lives on n / ep ranks: ring all-reduce among them
+    a2a += 2 * ring_s(b["expert_all_reduce"], replicas, link)
     return {"zero": zero, "all_to_all": a2a}
 
 

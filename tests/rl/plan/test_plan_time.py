@@ -126,3 +126,19 @@ def test_moe_actor_reader_predicts_bytes_from_the_model_not_from_the_measurement
     # 2 micro-batches per rank x 4 gathers x the bf16 parameters
     arch = plan_time.moe_actor_arch(2, 64, 6)
     assert one["ZeRO-3, no EP: all_gather"] == pytest.approx(2 * 4 * 2 * arch.total_params / 1e9)
+
+
+def test_collective_bytes_per_zero_stage(v4_flash):
+    from rl.plan.timing import collective_bytes
+    base = load_config([V4], [])
+    p2 = 2 * v4_flash.total_params   # bf16 bytes of every parameter
+    z3 = collective_bytes(base, v4_flash, 32, 18432)
+    assert z3["all_gather"] == 32 * 4 * p2 and z3["reduce_scatter"] == 32 * p2
+    no_ckpt = load_config([V4], ["trainer.activation_checkpointing=false"])
+    assert collective_bytes(no_ckpt, v4_flash, 32, 18432)["all_gather"] == 32 * 3 * p2
+    z2 = collective_bytes(load_config([V4], ["trainer.zero_stage=2"]), v4_flash, 32, 18432)
+    assert z2["all_gather"] == 4 * p2 and z2["reduce_scatter"] == 32 * p2   # 4 mini-batches
+    ep = collective_bytes(load_config([V4], ["trainer.expert_parallel_size=8"]), v4_flash, 1, 100)
+    # 4 passes x 43 MoE layers x out and back x 100 tokens x top-6 x hidden 4096 x bf16
+    assert ep["all_to_all"] == 4 * 43 * 2 * 100 * 6 * 4096 * 2
+    assert ep["all_gather"] < z3["all_gather"]
