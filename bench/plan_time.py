@@ -5,10 +5,9 @@ figures that same run recorded (bf16 matmul peak, HBM copy bandwidth, NCCL flat-
 bandwidth), never from the measured step times. Three constants are calibrated, each on ONE
 measurement (role `fit`) and checked on others (role `check`):
 
-- plan.mfu on train.json (Qwen3-0.6B: every FLOP of the RL train step over its time). No other
-  committed run trains a model large enough to be compute-bound, so it is checked only through
-  the rollout rows' prefill (a forward over batch x 128 prompt tokens at the same mfu), until
-  bench/results/moe_actor.json exists;
+- plan.mfu on train.json (Qwen3-0.6B: every FLOP of the RL train step over its time), checked
+  on routing_replay.json's HF scoring forward of a small MoE (a miss) and through the rollout
+  rows' prefill (a forward over batch x 128 prompt tokens at the same mfu);
 - plan.sync_efficiency on weight_sync.json's FP8-wire row, checked on its BF16-wire row;
 - plan.decode_step_overhead_ms on rollout.json's native BF16 Qwen3-0.6B batch 64 x 1,024 row,
   checked on the other fifteen native rows (dense and MoE, FP8 and BF16, batch 64 and 256,
@@ -65,6 +64,8 @@ MISSES = {
     "rollout Qwen3-MoE-small native fp8 b256 n1024": "same: MoE expert GEMMs at batch 256",
     "rollout Qwen3-MoE-small native bf16 b256 n1024": "same: MoE expert GEMMs at batch 256 "
     "(0.746, just outside)",
+    "trainer forward Qwen3-MoE-small HF BF16 scoring, 16,384 tokens": "plan.mfu is fitted on a "
+    "dense model; HF's MoE forward in 8-row chunks (256 tokens per expert) reaches ~8% of peak",
 }
 
 
@@ -172,6 +173,33 @@ def v4_attention_rows(results: Path) -> list[dict]:
     return out
 
 
+def routing_replay_rows(results: Path) -> list[dict]:
+    """routing_replay.json (2 x H200, Qwen3-MoE-small): the native FP8 engine's generate call and
+    the HF BF16 trainer model's scoring forward, timed in the same run. It recorded no device
+    figures: the H200 preset's (measured on the same machine kind) are used."""
+    d = load(results, "routing_replay")
+    if d is None:
+        return []
+    import re
+    m = re.search(r"batch (\d+) x \((\d+) prompt \+ (\d+) new\) tokens", d["notes"][0])
+    batch, prompt, new = (int(x) for x in m.groups())
+    a, dev = arch_of(d["model"]), DEVICES["h200"]
+    kv = kv_layout(a, 1, 2)
+    gen = decode_s(streamed_weight_bytes(a, 1, True), kv.per_token, kv.per_sequence, batch,
+                   prompt, new, matmul_params(a), attention_flops_per_token(a, prompt), dev,
+                   DEFAULTS.mfu, DEFAULTS.decode_step_overhead_ms * 1e-3)
+    out = [_row("rollout", f"{d['model']} native fp8 b{batch} n{new} (routing_replay run)",
+                "check", sum(gen.values()), d["engine_generate_s"],
+                "H200 preset, plan.decode_step_overhead_ms")]
+    tokens = batch * (prompt + new)   # the scoring forward runs over prompt and response
+    off = next(r for r in d["rows"] if r["setting"] == "off")
+    flops = (2 * matmul_params(a) + attention_flops_per_token(a, prompt + new)) * tokens
+    out.append(_row("trainer forward", f"{d['model']} HF BF16 scoring, {tokens:,} tokens",
+                    "check", flops / (dev.matmul_tflops * 1e12 * DEFAULTS.mfu),
+                    off["trainer_score_s"], f"H200 preset, plan.mfu {DEFAULTS.mfu}"))
+    return out
+
+
 def moe_actor_arch(layers: int, experts: int, top_k: int) -> plan_arch.Arch:
     """bench.moe_actor's model: V4-Flash dims, `layers` layers (sliding, CSA, HCA, ...), all MoE."""
     from rl.plan.source import known_models
@@ -257,7 +285,8 @@ def async_rows(results: Path) -> list[dict]:
 
 
 READERS = {"train": train_rows, "weight_sync": sync_rows, "rollout": rollout_rows,
-           "v4_attention": v4_attention_rows, "moe_actor": moe_actor_rows,
+           "v4_attention": v4_attention_rows, "routing_replay": routing_replay_rows,
+           "moe_actor": moe_actor_rows,
            "async_rl_gpu": async_rows}
 
 
