@@ -641,7 +641,8 @@ class PlanConfig:
     # states where its numbers come from (measured in bench/results for h200, datasheet for mi300x).
     device: Literal["h200", "mi300x"] = "h200"
     """Device preset for the step-time estimate's rates: `h200` (measured on 2 x H200 in
-    bench/results, IB from the DGX H200 datasheet) or `mi300x` (datasheet figures)."""
+    bench/results, IB from the DGX H200 datasheet) or `mi300x` (datasheet figures). Memory is
+    `gpu_memory_gb`'s, not the preset's."""
     matmul_tflops: float | None = None
     """BF16 dense matmul rate of one GPU [TFLOP/s]; null = the preset's (H200: 791 measured)."""
     hbm_gbps: float | None = None
