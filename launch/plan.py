@@ -2,9 +2,10 @@
 
 Prints, per GPU of the trainer group and of the rollout group, what the model's parameters,
 gradients, optimizer state, activations, FP8/BF16 weights and KV cache take, a verdict per group
-and suggestions, then an estimate of one RL step's time (rl/plan/timing.py). Reads the run config and the model's config.json only (never weights), so a
-284B model plans in well under a second on a laptop. Exit status: 0 fits, 1 does not fit,
-2 config error (one line on stderr), unknown `cluster.slurm_params` included.
+and suggestions, then an estimate of one RL step's time (rl/plan/timing.py). Reads the run
+config and the model's config.json only (never weights), so a 284B model plans in well under a
+second on a laptop. Exit status: 0 fits, 1 does not fit, 2 config error (one line on stderr),
+unknown `cluster.slurm_params` included.
 """
 from __future__ import annotations
 

@@ -619,7 +619,8 @@ class SftConfig:
 
 @dataclass(kw_only=True, slots=True)
 class PlanConfig:
-    """Inputs of the memory planner (`python -m launch.plan`, checked by `launch.submit`).
+    """Inputs of the memory planner and its step-time estimate (`python -m launch.plan`, checked
+    by `launch.submit`).
 
     Memory sizes are GiB (2**30 bytes). What the trainer runs (offload, activation checkpointing,
     attention kernel) is `trainer.`'s; the planner reads it from there.
@@ -638,7 +639,7 @@ class PlanConfig:
     """A config.json to plan with when `model.path` is not present on this machine (the
     planner reads only config.json, never weights)."""
     # Step-time estimate (rl/plan/timing.py). Rates default to the `device` preset; each preset
-    # states where its numbers come from (measured in bench/results for h200, datasheet for mi300x).
+    # states where its numbers come from (bench/results for h200, a datasheet for mi300x).
     device: Literal["h200", "mi300x"] = "h200"
     """Device preset for the step-time estimate's rates: `h200` (measured on 2 x H200 in
     bench/results, IB from the DGX H200 datasheet) or `mi300x` (datasheet figures). Memory is
@@ -715,7 +716,7 @@ class Config:
     sft: SftConfig = field(default_factory=SftConfig)
     """The SFT warm start (model.warm_start)."""
     plan: PlanConfig = field(default_factory=PlanConfig)
-    """Inputs of the memory planner (`launch.plan`)."""
+    """Inputs of the memory planner and its step-time estimate (`launch.plan`)."""
 
     def __post_init__(self) -> None:
         _non_negative(self, "num_steps", "seed")
