@@ -142,3 +142,14 @@ def test_collective_bytes_per_zero_stage(v4_flash):
     # 4 passes x 43 MoE layers x out and back x 100 tokens x top-6 x hidden 4096 x bf16
     assert ep["all_to_all"] == 4 * 43 * 2 * 100 * 6 * 4096 * 2
     assert ep["all_gather"] < z3["all_gather"]
+
+
+def test_decode_sums_every_step_like_the_rollout_roofline():
+    from rl.plan.timing import decode_s
+    dev = DEVICES["h200"]
+    w, kv_tok, kv_seq, rows, prompt, new, over = 1e9, 1e5, 3e6, 64, 128, 50, 1e-3
+    got = decode_s(w, kv_tok, kv_seq, rows, prompt, new, 1e9, 0.0, dev, 0.2, over)["decode"]
+    # bench.rollout.roofline_seconds' loop: steps 1 .. new - 1, each reading weights + context
+    want = sum((w + rows * kv_seq + rows * (prompt + s) * kv_tok) / (dev.hbm_gbps * 1e9) + over
+               for s in range(1, new))
+    assert got == pytest.approx(want, rel=1e-12)
