@@ -2,9 +2,10 @@
 
 Prints, per GPU of the trainer group and of the rollout group, what the model's parameters,
 gradients, optimizer state, activations, FP8/BF16 weights and KV cache take, a verdict per group
-and suggestions. Reads the run config and the model's config.json only (never weights), so a
-284B model plans in well under a second on a laptop. Exit status: 0 fits, 1 does not fit,
-2 config error (one line on stderr), unknown `cluster.slurm_params` included.
+and suggestions, then an estimate of one RL step's time (rl/plan/timing.py). Reads the run
+config and the model's config.json only (never weights), so a 284B model plans in well under a
+second on a laptop. Exit status: 0 fits, 1 does not fit, 2 config error (one line on stderr),
+unknown `cluster.slurm_params` included.
 """
 from __future__ import annotations
 
@@ -25,8 +26,12 @@ def _verdict(cfg: Config, title: str):
 
 
 def check_or_exit(cfg: Config, title: str) -> None:
-    """For `launch.submit`: return if the plan fits; else print the report to stderr and exit 2."""
+    """For `launch.submit`: if the plan fits, print one line with the step-time estimate and
+    return; else print the report to stderr and exit 2."""
     verdict = _verdict(cfg, title)
+    if verdict.fits and verdict.time is not None:
+        print(f"plan: FITS, {verdict.time.summary} (`python -m launch.plan` for the breakdown)",
+              file=sys.stderr)
     if not verdict.fits:
         print(verdict.report, file=sys.stderr)
         fail(f"{title}: refusing to submit, the memory plan above does not fit "

@@ -619,7 +619,8 @@ class SftConfig:
 
 @dataclass(kw_only=True, slots=True)
 class PlanConfig:
-    """Inputs of the memory planner (`python -m launch.plan`, checked by `launch.submit`).
+    """Inputs of the memory planner and its step-time estimate (`python -m launch.plan`, checked
+    by `launch.submit`).
 
     Memory sizes are GiB (2**30 bytes). What the trainer runs (offload, activation checkpointing,
     attention kernel) is `trainer.`'s; the planner reads it from there.
@@ -637,10 +638,45 @@ class PlanConfig:
     model_config: str | None = None
     """A config.json to plan with when `model.path` is not present on this machine (the
     planner reads only config.json, never weights)."""
+    # Step-time estimate (rl/plan/timing.py). Rates default to the `device` preset; each preset
+    # states where its numbers come from (bench/results for h200, a datasheet for mi300x).
+    device: Literal["h200", "mi300x"] = "h200"
+    """Device preset for the step-time estimate's rates: `h200` (measured on 2 x H200 in
+    bench/results, IB from the DGX H200 datasheet) or `mi300x` (datasheet figures). Memory is
+    `gpu_memory_gb`'s, not the preset's."""
+    matmul_tflops: float | None = None
+    """BF16 dense matmul rate of one GPU [TFLOP/s]; null = the preset's (H200: 791 measured)."""
+    hbm_gbps: float | None = None
+    """HBM bandwidth of one GPU [GB/s, bytes read + written], what decode steps stream weights
+    and KV cache at; null = the preset's (H200: 4,144 measured device-to-device copy)."""
+    intra_node_gbps: float | None = None
+    """NVLink / xGMI bandwidth per GPU inside a node [GB/s], for collectives among one node's
+    GPUs and a same-node weight sync; null = the preset's (H200: 368 measured NCCL broadcast)."""
+    inter_node_gbps: float | None = None
+    """InfiniBand / RoCE bandwidth per GPU between nodes [GB/s]: collectives spanning nodes and the
+    trainer -> rollout weight sync; null = the preset's (one 400 Gb/s NIC per GPU: 50)."""
+    mfu: float = 0.195
+    """Fraction of `matmul_tflops` that passes over many tokens reach, counting every FLOP run
+    (trainer: old-log-prob forward, forward, backward, recompute; rollout: prefill), in (0, 1].
+    Default fitted on bench/results/train.json (Qwen3-0.6B, ZeRO-2, 1 x H200: 19.5%)."""
+    sync_efficiency: float = 0.496
+    """Fraction of the link bandwidth the weight sync reaches end to end (packing, quantising,
+    loading included), in (0, 1]. Default fitted on bench/results/weight_sync.json (FP8 wire:
+    182 of 368 GB/s)."""
+    decode_step_overhead_ms: float = 1.40
+    """Fixed cost of one decode step besides streaming weights and KV cache [ms]: kernel launch
+    floors and sampling. Default fitted on bench/results/rollout.json (native BF16, Qwen3-0.6B,
+    batch 64, 1,024 new tokens)."""
 
     def __post_init__(self) -> None:
         _positive(self, "gpu_memory_gb", "host_memory_gb")
-        _non_negative(self, "nvme_gb", "overhead_gb")
+        _non_negative(self, "nvme_gb", "overhead_gb", "decode_step_overhead_ms")
+        for name in ("matmul_tflops", "hbm_gbps", "intra_node_gbps", "inter_node_gbps"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, name, value, "null or a value > 0")
+        for name in ("mfu", "sync_efficiency"):
+            value = getattr(self, name)
+            _check(0 < value <= 1, name, value, "a value in (0, 1]")
         _check(self.model_config is None or bool(self.model_config), "model_config",
                self.model_config, "null or a path to a config.json")
 
@@ -680,7 +716,7 @@ class Config:
     sft: SftConfig = field(default_factory=SftConfig)
     """The SFT warm start (model.warm_start)."""
     plan: PlanConfig = field(default_factory=PlanConfig)
-    """Inputs of the memory planner (`launch.plan`)."""
+    """Inputs of the memory planner and its step-time estimate (`launch.plan`)."""
 
     def __post_init__(self) -> None:
         _non_negative(self, "num_steps", "seed")

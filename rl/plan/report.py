@@ -16,6 +16,7 @@ from rl.plan.arch import Arch
 from rl.plan.memory import (
     GiB, GroupPlan, Line, line_gpu, plan_rollout, plan_trainer, sequence_length, size,
 )
+from rl.plan.timing import StepTime, estimate
 
 MAX_EXTRA_NODES = 8  # how far the "more nodes" suggestion searches
 
@@ -28,6 +29,8 @@ class PlanVerdict:
     trainer: GroupPlan
     rollout: GroupPlan
     arch: Arch
+    time: StepTime | None = None
+    """The step-time estimate (rl/plan/timing.py); None for CPU runs."""
 
 
 def with_changes(cfg: Config, changes: dict[str, Any]) -> Config:
@@ -237,5 +240,10 @@ def build(cfg: Config, arch: Arch, title: str, notes: list[str]) -> PlanVerdict:
     fits = trainer.fits and rollout.fits
     verdict = ("FITS" if fits else "DOES NOT FIT: " + ", ".join(
         g.name for g in (trainer, rollout) if not g.fits))
+    time = None
+    if cfg.cluster.trainer.gpus_per_node > 0 and rollout.kv is not None:
+        time = estimate(cfg, arch, rollout)
+        lines += ["", "Step time estimate (rl/plan/timing.py; validated in "
+                  "bench/results/plan_time.md):"] + [f"  {ln}" for ln in time.lines]
     lines += ["", f"Verdict: {verdict}"]
-    return PlanVerdict(fits, "\n".join(lines), trainer, rollout, arch)
+    return PlanVerdict(fits, "\n".join(lines), trainer, rollout, arch, time)
