@@ -57,9 +57,10 @@ AccountingStoragePass=$MUNGE_SOCKET
 CONF
 fi
 : >"$ETC/gres.conf"
-# cgroup v2 (the GPU machine): slurmd would ask systemd over D-Bus for a scope for its
-# slurmstepds; there is no systemd. Nothing here constrains with cgroups (pgid, task/none).
-if [[ $(stat -fc %T /sys/fs/cgroup 2>/dev/null) == cgroup2fs ]]; then
+# cgroup v2 without systemd (the GPU machine): slurmd would ask systemd over D-Bus for a scope
+# for its slurmstepds and fail. Nothing here constrains with cgroups (pgid, task/none).
+rm -f "$ETC/cgroup.conf"
+if [[ $(stat -fc %T /sys/fs/cgroup 2>/dev/null) == cgroup2fs && ! -S /run/dbus/system_bus_socket ]]; then
   printf 'CgroupPlugin=cgroup/v2\nIgnoreSystemd=yes\n' >"$ETC/cgroup.conf"
 fi
 if [[ -n $RL_SLURM_GPUS ]]; then
