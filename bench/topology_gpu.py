@@ -38,6 +38,7 @@ import yaml
 
 from bench.common import device_info, parse_args, write_results
 from launch.status import read_jsonl
+from slurm.testing.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "slurm_gpu_test.yaml"
@@ -99,15 +100,6 @@ def submit(config: Path, env: dict, out: Path, name: str, overrides: list[str], 
     if not m or (wait and proc.returncode != 0):
         raise SystemExit(f"{name}: launch.submit failed (rc {proc.returncode})")
     return m.group(1), text
-
-
-def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(poll_s)
-    return value
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -207,7 +199,7 @@ def main() -> None:
             raise SystemExit(f"job {job_id} ended before step {args.requeue_at}:\n"
                              + job_log(run_dir)[-3000:])
         return len(metrics(run_dir)) >= args.requeue_at
-    wait_until(reached, args.timeout, f"step {args.requeue_at}")
+    wait_until(reached, args.timeout, f"step {args.requeue_at}", poll_s=1)
     gpus_in_use = "" if args.smoke else gpu_processes()
     print("nvidia-smi compute apps:\n" + gpus_in_use, flush=True)
     requeued_at = len(metrics(run_dir))

@@ -19,13 +19,13 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from launch.status import read_jsonl
+from slurm.testing.waiting import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -66,15 +66,6 @@ def final_state(job_id: str, timeout_s: float) -> str:
     unfinished = ("", "PENDING", "RUNNING", "REQUEUED", "COMPLETING", "PREEMPTED")
     return wait_until(lambda: (s := leader_state(job_id)) not in unfinished and s, timeout_s,
                       f"job {job_id} to end", poll_s=3)
-
-
-def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(poll_s)
-    return value
 
 
 def life_steps(output: str, life: int) -> list[int]:
