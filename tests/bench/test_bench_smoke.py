@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("name, needs", [("rollout", None), ("weight_sync", None),
                                          ("train", "deepspeed"), ("async_rl", "deepspeed"),
                                          ("v4_attention", None), ("routing_replay", None),
-                                         ("fp8_gemm", None), ("moe_actor", "deepspeed")])
+                                         ("fp8_gemm", None), ("moe_actor", "deepspeed"),
+                                         ("decode_profile", None)])
 def test_benchmark_smoke_mode(name, needs, tmp_path):
     if needs:
         pytest.importorskip(needs)
