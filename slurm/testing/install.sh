@@ -16,7 +16,7 @@ if [[ $(id -u) -ne 0 ]]; then echo "install.sh: need root to install ${missing[*
 if [[ -n $RL_SLURM_DEBS ]]; then
   staging=$(mktemp -d)
   for deb in "$RL_SLURM_DEBS"/*.deb; do dpkg -x "$deb" "$staging"; done
-  # Debian's /lib is /usr/lib on both sides; -n: never overwrite what is there
+  # Debian's /lib is /usr/lib on both sides; a path that exists is skipped, never overwritten
   (cd "$staging" && find . \( -type f -o -type l \) -print0) | while IFS= read -r -d '' f; do
     dest=/${f#./}
     [[ -e $dest || -L $dest ]] && continue
