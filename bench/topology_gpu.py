@@ -38,7 +38,7 @@ import yaml
 
 from bench.common import device_info, parse_args, write_results
 from launch.status import read_jsonl
-from slurm.testing.waiting import wait_until
+from slurm.testing.client import read_env_file, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "slurm_gpu_test.yaml"
@@ -67,11 +67,7 @@ def start_cluster(gres: str) -> dict[str, str]:
     if proc.returncode != 0:
         raise SystemExit(f"start.sh failed ({proc.returncode})")
     state = Path(env.get("RL_SLURM_DIR", "/tmp/rl-slurm"))
-    for line in (state / "env.sh").read_text().splitlines():
-        if line.startswith("export "):
-            key, value = line[len("export "):].split("=", 1)
-            env[key] = value
-    return env
+    return {**env, **read_env_file(state / "env.sh")}
 
 
 def gres_check(env: dict, layout: dict[str, list[int]]) -> dict[str, str]:
@@ -189,11 +185,13 @@ def main() -> None:
     num_steps = yaml.safe_load(config.read_text())["num_steps"]
 
     t0 = time.monotonic()
-    ref_id, ref_out = submit(config, env, runs, "reference", overrides, wait=True, timeout=args.timeout)
+    ref_id, _ = submit(config, env, runs, "reference", overrides, wait=True,
+                       timeout=args.timeout)
     ref_wall = time.monotonic() - t0
     t0 = time.monotonic()
     job_id, _ = submit(config, env, runs, "interrupted", overrides, wait=False, timeout=300)
     run_dir = runs / "interrupted"
+
     def reached() -> bool:
         if not sh("squeue", "-h", "-j", job_id, env=env).strip():
             raise SystemExit(f"job {job_id} ended before step {args.requeue_at}:\n"
@@ -251,7 +249,8 @@ def main() -> None:
              "checks: " + "; ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in checks.items())]
     if diffs:
         notes.append("first differences: " + "; ".join(diffs[:5]))
-    write_results("topology_gpu" + ("_smoke" if args.smoke else ""), args.out, info, [reference, interrupted], columns, notes)
+    write_results("topology_gpu" + ("_smoke" if args.smoke else ""), args.out, info,
+                  [reference, interrupted], columns, notes)
     print("\n".join(notes), flush=True)
     sys.exit(0 if all(checks.values()) else 1)
 

@@ -2,6 +2,7 @@
 # (cgroup v2 hosts), task_prolog.sh (with GPUs) and slurmdbd.conf. Sourced by start.sh after
 # config.sh; tests/slurm/test_slurm_config.py sources it alone to check what it writes.
 # (No shebang on purpose: it runs in start.sh's shell, under its `set -euo pipefail`.)
+# Defines db_pass_file, which start.sh's MariaDB step reads.
 cat >"$ETC/slurm.conf" <<CONF
 ClusterName=$RL_SLURM_CLUSTER
 SlurmctldHost=$(hostname -s)($RL_SLURM_HOST_IP)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from slurm.testing.client import read_env_file
+
 REPO = Path(__file__).resolve().parents[2]
 TESTING = REPO / "slurm" / "testing"
 _NEEDED = ("munged", "slurmctld", "slurmd", "slurmdbd", "sbatch", "sacct", "mariadbd")
@@ -24,15 +26,6 @@ class SlurmCluster:
     state_dir: Path
     env: dict[str, str]
     """What `env.sh` exports (SLURM_CONF, RL_SLURM_DIR)."""
-
-
-def _read_env_file(path: Path) -> dict[str, str]:
-    env = {}
-    for line in path.read_text().splitlines():
-        if line.startswith("export ") and "=" in line:
-            key, value = line[len("export "):].split("=", 1)
-            env[key] = value
-    return env
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +43,6 @@ def slurm_cluster() -> SlurmCluster:
     if proc.returncode != 0:
         pytest.fail(f"slurm/testing/start.sh failed ({proc.returncode}):\n"
                     f"{proc.stdout}\n{proc.stderr}")
-    env = _read_env_file(state_dir / "env.sh")
+    env = read_env_file(state_dir / "env.sh")
     os.environ.update(env)  # sbatch/sacct/scontrol from this process and submitit
     return SlurmCluster(state_dir=state_dir, env=env)

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from launch.status import read_jsonl
-from slurm.testing.waiting import wait_until
+from slurm.testing.client import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
