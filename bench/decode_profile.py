@@ -24,6 +24,7 @@ import time
 from collections import defaultdict
 
 import torch
+from torch.autograd import DeviceType
 
 from bench.common import (QWEN3_06B, TINY, device_info, hf_config, measure_copy_bandwidth,
                           parse_args, random_model, sync, write_results)
@@ -60,10 +61,17 @@ def profile(engine, prompts, new: int, gpu: bool) -> tuple[dict, float]:
         engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new, seed=2))
         sync()
         wall = time.perf_counter() - t0
+    # GPU: the kernels themselves (an aten op's entry would count its kernels' time again);
+    # CPU: aten ops by self time (their nested ops counted once).
     kernels = {}
     for e in prof.key_averages():
-        us = e.device_time_total if gpu else e.self_cpu_time_total
-        if us > 0 and (gpu or e.key.startswith("aten::")):
+        if gpu and e.device_type == DeviceType.CUDA:
+            us = e.self_device_time_total
+        elif not gpu and e.key.startswith("aten::"):
+            us = e.self_cpu_time_total
+        else:
+            continue
+        if us > 0:
             kernels[e.key] = (e.count, us)
     return kernels, wall
 
