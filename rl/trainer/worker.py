@@ -522,4 +522,3 @@ def buffers_to(module: torch.nn.Module, device: torch.device) -> None:
         for name, buf in sub._buffers.items():
             if buf is not None and buf.device != device:
                 sub._buffers[name] = buf.to(device)
-
