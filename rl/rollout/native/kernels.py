@@ -12,8 +12,10 @@ Ops (shapes: B rows, NH query heads, NKV kv heads, D head dim, L cache length):
   at position `pos - start[b]`, q out as (B, NH, D); k and v written into the caches at slot `pos`
   (FP8 caches: quantised on write, see `rl.rollout.native.kvcache`).
 - `decode_attention(q (B, NH, D), k_cache, v_cache (B, NKV, L, D), start (B,), pos (1,))`: one
-  query per row over cache slots [start[b], pos]; online softmax in fp32 (flash-decoding). FP8
-  caches are read as bytes; their per-token scales multiply the scores and softmax weights.
+  query per row over cache slots [start[b], pos]; online softmax in fp32. FP8 caches are read
+  as bytes; their per-token scales multiply the scores and softmax weights. `splits` > 1: split-K
+  (flash-decoding), each (row, kv head)'s context split over that many programs whose fp32
+  partials a second kernel combines; `decode_splits` picks the count from batch and context.
 - `silu_mul(x (M, 2I))`: `silu(x[:, :I]) * x[:, I:]`.
 - `w8a16_linear(x (M, K), w (N, K), scale)`: `x @ deq(w).T` with block-FP8 weights (uint8 view of
   e4m3, fp32 128x128 block scales) dequantised in registers: the weight crosses HBM as 1 byte.
@@ -176,25 +178,18 @@ if triton is not None:
                      FP8_KV)
 
     @triton.jit
-    def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, o_ptr, start_ptr, pos_ptr,
-                            sm_scale, stride_cb, stride_ch, stride_eb, stride_eh,
-                            G: tl.constexpr, GP: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
-                            BLOCK_L: tl.constexpr, FP8_KV: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        hk = tl.program_id(1)
-        start = tl.load(start_ptr + b)
-        end = tl.load(pos_ptr) + 1
-        g = tl.arange(0, GP)
+    def _attn_blocks(q, kc_ptr, vc_ptr, ke_ptr, ve_ptr, base, e_base, start, end, lo, hi,
+                     sm_scale, GP: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr,
+                     FP8_KV: tl.constexpr):
+        """Online softmax of q (GP, D) over cache slots [max(lo, start), min(hi, end)) walked in
+        BLOCK_L blocks from lo (a block boundary): (running max m, sum l, unnormalised acc), fp32.
+        An empty range returns (-inf, 0, 0): the split combine weighs it 0."""
         d = tl.arange(0, D)
-        q_rows = q_ptr + (b * NH + hk * G + g)[:, None] * D + d[None, :]
-        q = tl.load(q_rows, mask=g[:, None] < G, other=0.0)
         m = tl.full((GP,), float("-inf"), tl.float32)
         l_sum = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, D), tl.float32)
-        base = b * stride_cb + hk * stride_ch
-        e_base = b * stride_eb + hk * stride_eh
         # Every block visited holds at least one valid slot, so m never stays -inf.
-        for l0 in range((start // BLOCK_L) * BLOCK_L, end, BLOCK_L):
+        for l0 in range(lo, hi, BLOCK_L):
             slots = l0 + tl.arange(0, BLOCK_L)
             valid = (slots >= start) & (slots < end)
             offs = base + slots[:, None] * D + d[None, :]
@@ -220,9 +215,74 @@ if triton is not None:
                 p = p * v_sc[None, :]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
+        return m, l_sum, acc
+
+    @triton.jit
+    def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, o_ptr, start_ptr, pos_ptr,
+                            sm_scale, stride_cb, stride_ch, stride_eb, stride_eh,
+                            G: tl.constexpr, GP: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
+                            BLOCK_L: tl.constexpr, FP8_KV: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        hk = tl.program_id(1)
+        start = tl.load(start_ptr + b)
+        end = tl.load(pos_ptr) + 1
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        q_rows = q_ptr + (b * NH + hk * G + g)[:, None] * D + d[None, :]
+        q = tl.load(q_rows, mask=g[:, None] < G, other=0.0)
+        m, l_sum, acc = _attn_blocks(q, kc_ptr, vc_ptr, ke_ptr, ve_ptr,
+                                     b * stride_cb + hk * stride_ch, b * stride_eb + hk * stride_eh,
+                                     start, end, (start // BLOCK_L) * BLOCK_L, end, sm_scale,
+                                     GP, D, BLOCK_L, FP8_KV)
         out = acc / l_sum[:, None]
         o_rows = o_ptr + (b * NH + hk * G + g)[:, None] * D + d[None, :]
         tl.store(o_rows, out.to(o_ptr.dtype.element_ty), mask=g[:, None] < G)
+
+    @triton.jit
+    def _decode_attn_split_kernel(q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, m_ptr, l_ptr, acc_ptr,
+                                  start_ptr, pos_ptr, sm_scale, stride_cb, stride_ch, stride_eb,
+                                  stride_eh, S: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                                  NH: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr,
+                                  FP8_KV: tl.constexpr):
+        """Split `sid` of S of one (row, kv head): the row's blocks [start // BLOCK_L, pos //
+        BLOCK_L] dealt out evenly and contiguously (counts differ by at most one; splits past
+        the block count get none). Writes its partial (m, l, acc) in fp32."""
+        b = tl.program_id(0).to(tl.int64)
+        hk = tl.program_id(1)
+        sid = tl.program_id(2)
+        start = tl.load(start_ptr + b)
+        end = tl.load(pos_ptr) + 1
+        first = start // BLOCK_L
+        blocks = (end - 1) // BLOCK_L + 1 - first
+        lo = (first + sid * blocks // S) * BLOCK_L
+        hi = tl.minimum((first + (sid + 1) * blocks // S) * BLOCK_L, end)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        q_rows = q_ptr + (b * NH + hk * G + g)[:, None] * D + d[None, :]
+        q = tl.load(q_rows, mask=g[:, None] < G, other=0.0)
+        m, l_sum, acc = _attn_blocks(q, kc_ptr, vc_ptr, ke_ptr, ve_ptr,
+                                     b * stride_cb + hk * stride_ch, b * stride_eb + hk * stride_eh,
+                                     start, end, lo, hi, sm_scale, GP, D, BLOCK_L, FP8_KV)
+        part = (b * NH + hk * G + g) * S + sid          # partials laid out (B, NH, S[, D])
+        tl.store(m_ptr + part, m, mask=g < G)
+        tl.store(l_ptr + part, l_sum, mask=g < G)
+        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
+
+    @triton.jit
+    def _decode_attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, S: tl.constexpr,
+                                    SP: tl.constexpr, D: tl.constexpr):
+        """One (row, query head): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M the
+        largest m_s (the log-sum-exp rule); empty splits (m_s = -inf) weigh 0."""
+        bh = tl.program_id(0).to(tl.int64)
+        sp = tl.arange(0, SP)
+        d = tl.arange(0, D)
+        m = tl.load(m_ptr + bh * S + sp, mask=sp < S, other=float("-inf"))
+        l_sum = tl.load(l_ptr + bh * S + sp, mask=sp < S, other=0.0)
+        acc = tl.load(acc_ptr + (bh * S + sp)[:, None] * D + d[None, :], mask=sp[:, None] < S,
+                      other=0.0)
+        w = tl.exp(m - tl.max(m, axis=0))      # the last split holds a valid slot: M is finite
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
+        tl.store(o_ptr + bh * D + d, out.to(o_ptr.dtype.element_ty))
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, y_ptr, I, BLOCK: tl.constexpr):
@@ -325,25 +385,69 @@ def qk_norm_rope_cache(qkv: torch.Tensor, qn_w: torch.Tensor, kn_w: torch.Tensor
     return q
 
 
+# Split-K decode attention: how many programs make the H200 busy. One wave is every SM running
+# _RESIDENT programs of the decode attention kernel at once; 2 is an estimate from its shared
+# memory (3 pipeline stages of a 64 x 128 bf16 K and V tile = 96 KB of 228 KB per SM), to be
+# checked against ncu's Occupancy section (`bash bench/run_gpu.sh profile`).
+H200_SMS = 132
+_RESIDENT = 2
+_MIN_WAVES, _TARGET_WAVES = 2, 3
+_MIN_BLOCKS_PER_SPLIT = 2     # a split's partial (G x D fp32) stays small next to its K/V reads
+MAX_SPLITS = 16
+
+
+def decode_splits(rows: int, kv_heads: int, context: int, block_l: int = 64,
+                  sms: int = H200_SMS) -> int:
+    """Splits of the context per (row, kv head) for `decode_attention`: 1 (the single-pass
+    kernel) when rows x kv_heads programs already fill `_MIN_WAVES` waves; else enough to fill
+    ~`_TARGET_WAVES`, at most `MAX_SPLITS` and at most one per `_MIN_BLOCKS_PER_SPLIT` blocks of
+    `context`. `context` is the longest context the call can see: under CUDA graphs the grid is
+    fixed at capture, so the engine passes the cache length; splits past a row's actual
+    context get no blocks and cost one tiny program each."""
+    programs = rows * kv_heads
+    wave = sms * _RESIDENT
+    if programs >= _MIN_WAVES * wave:
+        return 1
+    by_fill = -(-_TARGET_WAVES * wave // programs)
+    by_context = -(-context // block_l) // _MIN_BLOCKS_PER_SPLIT
+    return max(1, min(by_fill, by_context, MAX_SPLITS))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      start: torch.Tensor, pos: torch.Tensor, sm_scale: float,
                      impl: str = "torch", block_l: int = 64, k_exp: torch.Tensor | None = None,
-                     v_exp: torch.Tensor | None = None) -> torch.Tensor:
+                     v_exp: torch.Tensor | None = None, splits: int | None = 1) -> torch.Tensor:
     """(B, NH, D) attention output of one query per row over slots [start[b], pos]; FP8 caches
-    with their scale exponents (see `qk_norm_rope_cache`)."""
+    with their scale exponents (see `qk_norm_rope_cache`).
+
+    `splits` (triton): 1 = one program per (row, kv head) walks the whole context; S > 1 =
+    split-K ("flash-decoding"): S programs per (row, kv head) each over a contiguous share of
+    the context's blocks, then a combine kernel; None = `decode_splits` for this batch and the
+    cache length. The torch reference ignores it."""
     if impl == "torch":
         return _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp, v_exp)
     b, nh, d = q.shape
     nkv = k_cache.shape[1]
     g = nh // nkv
+    if splits is None:
+        splits = decode_splits(b, nkv, k_cache.shape[2], block_l)
     out = torch.empty_like(q)
     fp8 = k_exp is not None
     kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
     ke, ve = (k_exp, v_exp) if fp8 else (kc, vc)
-    _decode_attn_kernel[(b, nkv)](q, kc, vc, ke, ve, out, start, pos, sm_scale,
-                                  k_cache.stride(0), k_cache.stride(1), ke.stride(0),
-                                  ke.stride(1), G=g, GP=max(16, _next_pow2(g)), NH=nh, D=d,
-                                  BLOCK_L=block_l, FP8_KV=fp8)
+    strides = (k_cache.stride(0), k_cache.stride(1), ke.stride(0), ke.stride(1))
+    consts = dict(G=g, GP=max(16, _next_pow2(g)), NH=nh, D=d, BLOCK_L=block_l, FP8_KV=fp8)
+    if splits == 1:
+        _decode_attn_kernel[(b, nkv)](q, kc, vc, ke, ve, out, start, pos, sm_scale, *strides,
+                                      **consts)
+        return out
+    m = torch.empty(b, nh, splits, dtype=torch.float32, device=q.device)
+    l_sum = torch.empty_like(m)
+    acc = torch.empty(b, nh, splits, d, dtype=torch.float32, device=q.device)
+    _decode_attn_split_kernel[(b, nkv, splits)](q, kc, vc, ke, ve, m, l_sum, acc, start, pos,
+                                                sm_scale, *strides, S=splits, **consts)
+    _decode_attn_combine_kernel[(b * nh,)](m, l_sum, acc, out, S=splits,
+                                           SP=_next_pow2(splits), D=d)
     return out
 
 

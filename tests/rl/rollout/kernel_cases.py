@@ -25,6 +25,30 @@ def close(name: str, a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
         raise Mismatch(f"{name}: relative error {err} >= {tol}")
 
 
+def split_attention_cases(K, r, close, DT, device, tl_scale) -> None:
+    """Split-K decode attention = single pass = torch reference over longer ragged contexts
+    (GQA group 2 as Qwen3-0.6B, 4 to 7 blocks of 16 per row), BF16/FP16 and FP8 caches, and
+    with the split count `decode_splits` picks (splits=None: 3 here)."""
+    from rl.rollout.native.kvcache import quantize_kv
+    b, nh, nkv, d, length = 4, 4, 2, 32, 112
+    q = r(b, nh, d).to(DT)
+    kc, vc = r(b, nkv, length, d).to(DT), r(b, nkv, length, d).to(DT)
+    start = torch.tensor([0, 3, 16, 50], dtype=torch.int32, device=device)
+    pos = torch.tensor([100], dtype=torch.int32, device=device)     # 101 slots: 6 blocks + 5
+    (k8, ke), (v8, ve) = quantize_kv(kc), quantize_kv(vc)
+    for fp8, caches in ((False, (kc, vc, None, None)), (True, (k8, v8, ke, ve))):
+        ref = K.decode_attention(q, caches[0], caches[1], start, pos, d ** -0.5, "torch",
+                                 k_exp=caches[2], v_exp=caches[3])
+        one = K.decode_attention(q, caches[0], caches[1], start, pos, d ** -0.5, "triton", 16,
+                                 caches[2], caches[3], splits=1)
+        for splits in (2, 5, None):
+            a = K.decode_attention(q, caches[0], caches[1], start, pos, d ** -0.5, "triton", 16,
+                                   caches[2], caches[3], splits=splits)
+            name = f"long split {splits}{' fp8 kv' if fp8 else ''}"
+            close(name, a, ref, 5e-3 * tl_scale)
+            close(name + " vs single", a, one, 5e-3 * tl_scale)
+
+
 def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
     from rl.quant.block_fp8 import quantize_weight_block
     from rl.quant.fast_quant import _quantize_triton
@@ -63,10 +87,17 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
         a = K.decode_attention(q, *caches, start, pos, d ** -0.5, "triton", block_l=block_l)
         a0 = K.decode_attention(q, *caches, start, pos, d ** -0.5, "torch")
         close(f"decode attention block_l={block_l}", a, a0, 5e-3 * tl_scale)
+    # Split-K: 22 slots = 2 blocks of 16 (the last one partial), rows starting mid-block; with
+    # 3 and 5 splits some splits get no block at all.
+    for splits in (2, 3, 5):
+        a = K.decode_attention(q, *caches, start, pos, d ** -0.5, "triton", 16, splits=splits)
+        close(f"split decode attention splits={splits}", a, a0, 5e-3 * tl_scale)
     # A poisoned slot before start[b] must not leak in (masked loads, not 0 * NaN).
     caches[1][1, :, 2] = float("nan")
-    a = K.decode_attention(q, *caches, start, pos, d ** -0.5, "triton", block_l=16)
-    assert torch.isfinite(a[1]).all(), "NaN leaked from a slot before start"
+    for splits in (1, 2):
+        a = K.decode_attention(q, *caches, start, pos, d ** -0.5, "triton", 16, splits=splits)
+        assert torch.isfinite(a[1]).all(), f"NaN leaked from a slot before start ({splits=})"
+    split_attention_cases(K, r, close, DT, device, tl_scale)
 
     # FP8 KV cache: earlier slots quantised from the caches above, then slot pos + 1 written
     # by each implementation (e4m3 bytes + scale exponents) and attended over.
@@ -85,16 +116,18 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
         assert (e[slot] == e_ref[slot]).all(), f"fp8 {name} scale exponents differ"
         close(f"fp8 {name} cache write", dequantize_kv(x8[slot], e[slot]),
               dequantize_kv(x8_ref[slot], e_ref[slot]), 2e-3 * tl_scale)
-    for block_l in (16, 64):
+    a0 = K.decode_attention(q8, f8_ref[0][0], f8_ref[1][0], start, pos8, d ** -0.5, "torch",
+                            k_exp=f8_ref[0][1], v_exp=f8_ref[1][1])
+    for block_l, splits in ((16, 1), (64, 1), (16, 2), (16, 4)):
         a = K.decode_attention(q8, f8_ref[0][0], f8_ref[1][0], start, pos8, d ** -0.5, "triton",
-                               block_l, f8_ref[0][1], f8_ref[1][1])
-        a0 = K.decode_attention(q8, f8_ref[0][0], f8_ref[1][0], start, pos8, d ** -0.5, "torch",
-                                k_exp=f8_ref[0][1], v_exp=f8_ref[1][1])
-        close(f"fp8 kv decode attention block_l={block_l}", a, a0, 5e-3 * tl_scale)
+                               block_l, f8_ref[0][1], f8_ref[1][1], splits=splits)
+        name = "fp8 kv decode attention" if splits == 1 else f"fp8 kv split {splits}"
+        close(f"{name} block_l={block_l}", a, a0, 5e-3 * tl_scale)
     f8_ref[1][0].view(torch.uint8)[1, :, 2] = 0x7F   # e4m3 NaN in a slot before start[1]
-    a = K.decode_attention(q8, f8_ref[0][0], f8_ref[1][0], start, pos8, d ** -0.5, "triton", 16,
-                           f8_ref[0][1], f8_ref[1][1])
-    assert torch.isfinite(a[1]).all(), "NaN leaked from an fp8 slot before start"
+    for splits in (1, 2):
+        a = K.decode_attention(q8, f8_ref[0][0], f8_ref[1][0], start, pos8, d ** -0.5, "triton",
+                               16, f8_ref[0][1], f8_ref[1][1], splits=splits)
+        assert torch.isfinite(a[1]).all(), f"NaN leaked from an fp8 slot before start ({splits=})"
 
     gu = r(7, 2 * 80).to(DT)
     close("silu_mul", K.silu_mul(gu, "triton"), K.silu_mul(gu, "torch"), 2e-3 * tl_scale)

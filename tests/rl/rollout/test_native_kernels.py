@@ -1,4 +1,5 @@
-"""Triton decode kernels = torch references, under the Triton interpreter on CPU (~7 s)."""
+"""Triton decode kernels = torch references, under the Triton interpreter on CPU (~11 s); the
+split-K decode attention's split count."""
 import os
 import subprocess
 import sys
@@ -19,3 +20,25 @@ def test_triton_kernels_match_torch_references_in_the_interpreter():
     assert proc.stdout.strip().endswith("ok")
     assert "decode attention block_l=16" in proc.stdout and "grouped fp8" in proc.stdout
     assert "fp8 kv decode attention block_l=16" in proc.stdout
+    assert "split decode attention splits=5" in proc.stdout and "fp8 kv split 4" in proc.stdout
+    assert "long split None fp8 kv vs single" in proc.stdout
+
+
+def test_decode_splits_fill_the_gpu_only_when_rows_x_heads_do_not():
+    from rl.rollout.native.kernels import MAX_SPLITS, decode_splits
+
+    # Qwen3-0.6B: 8 kv heads. 256 rows = 2,048 programs, >= 2 waves of 132 SMs x 2: one pass.
+    assert decode_splits(256, 8, 1152) == 1
+    assert decode_splits(1024, 8, 1152) == 1
+    # 64 rows = 512 programs < 528: two splits reach 1,024 (~3 waves of 264).
+    assert decode_splits(64, 8, 1152) == 2
+    assert decode_splits(16, 8, 4096) == 7        # ceil(792 / 128)
+    assert decode_splits(1, 8, 1 << 16) == MAX_SPLITS
+    # Short contexts cap it: at least 2 blocks of 64 per split.
+    assert decode_splits(1, 8, 256) == 2
+    assert decode_splits(1, 8, 100) == 1          # 2 blocks: one split
+    assert decode_splits(1, 8, 100, block_l=16) == 3
+    # More SMs, more splits; the count never drops as the context grows.
+    assert decode_splits(64, 8, 1152, sms=264) == 4
+    counts = [decode_splits(8, 4, c) for c in range(1, 5000, 97)]
+    assert counts == sorted(counts) and counts[0] == 1 and counts[-1] == MAX_SPLITS
