@@ -101,7 +101,8 @@ class NativeEngine:
                         "kernels and without CUDA graphs (slow)")
         self.model = NativeQwen3(self.shape, self.device, self.dtype, cfg.quantization == "fp8",
                                  cfg.fp8_keep_bf16, cfg.max_model_len, impl, cfg.fp8_pow2_scales,
-                                 kv_fp8=cfg.kv_cache_dtype == "fp8")
+                                 kv_fp8=cfg.kv_cache_dtype == "fp8",
+                                 decode_attention=cfg.decode_attention)
         self.use_graphs = cfg.cuda_graphs and impl == "triton"
         self.tokenizer = None
         self.eos_ids: list[int] = []

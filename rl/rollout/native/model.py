@@ -94,8 +94,12 @@ class NativeQwen3:
 
     def __init__(self, shape: Shape, device: torch.device, dtype: torch.dtype, fp8: bool,
                  keep: KeepPolicy | Sequence[str] | None, max_len: int, impl: str,
-                 pow2: bool = False, kv_fp8: bool = False):
+                 pow2: bool = False, kv_fp8: bool = False, decode_attention: str = "auto"):
         self.s, self.device, self.dtype, self.impl, self.max_len = shape, device, dtype, impl, max_len
+        self.decode_attention = decode_attention
+        """`rollout.decode_attention`: auto, single or split (see `attention_splits`)."""
+        self.fixed_splits: int | None = None
+        """Benchmarks: this many context splits whatever `decode_attention` says (None: off)."""
         self.fp8, self.kv_fp8 = fp8, kv_fp8
         self.routes: dict[int, torch.Tensor] = {}
         """MoE layer -> (T, top_k) expert ids of the last forward through it."""
@@ -336,6 +340,16 @@ class NativeQwen3:
         head = self.tensors["embed"] if self.s.tied else self.tensors["lm_head"]
         return F.linear(h, head).float()
 
+    def attention_splits(self, rows: int) -> int:
+        """Context splits of the decode attention for a batch of `rows`: fixed per batch bucket
+        (a captured graph keeps its grid), from the cache length, not the current position."""
+        if self.fixed_splits is not None:
+            return self.fixed_splits
+        if self.decode_attention == "single":
+            return 1
+        n = K.decode_splits(rows, self.s.nkv, self.max_len)
+        return max(n, 2) if self.decode_attention == "split" else n
+
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, start: torch.Tensor, pos: torch.Tensor
                     ) -> torch.Tensor:
@@ -346,6 +360,7 @@ class NativeQwen3:
         """
         s, impl = self.s, self.impl
         b = tokens.shape[0]
+        splits = self.attention_splits(b)
         x = F.embedding(tokens, self.tensors["embed"])
         resid = None
         for i in range(s.layers):
@@ -357,7 +372,7 @@ class NativeQwen3:
                                      self.cos, self.sin, start, pos, kc, vc, s.nh, s.nkv, s.eps,
                                      impl, ke, ve)
             a = K.decode_attention(q, kc, vc, start, pos, s.head_dim ** -0.5, impl, k_exp=ke,
-                                   v_exp=ve)
+                                   v_exp=ve, splits=splits)
             o = self.linear(a.view(b, s.nh * s.head_dim), p + "o")
             h, resid = K.rmsnorm(o, self.tensors[p + "ln2"], s.eps, resid, impl)
             x = self.mlp(h, i)

@@ -194,3 +194,21 @@ def test_native_config_fields_and_factory(model_dir, tmp_path):
     bad.write_text("rollout:\n  max_batch_size: 0\n")
     with pytest.raises(ConfigError, match="rollout.max_batch_size"):
         load_config(bad)
+    bad.write_text("rollout:\n  decode_attention: flash\n")
+    with pytest.raises(ConfigError, match="rollout.decode_attention"):
+        load_config(bad)
+
+
+def test_decode_attention_mode_sets_the_split_count(model_dir):
+    from rl.rollout.native.kernels import decode_splits
+
+    splits = {}
+    for mode in ("auto", "single", "split"):
+        eng = create_engine("native", model_dir, RolloutConfig(
+            engine="native", max_model_len=1024, decode_attention=mode), dtype="float32",
+            device="cpu")
+        nkv = eng.shape.nkv
+        splits[mode] = [eng.model.attention_splits(rows) for rows in (1, 4096)]
+    auto = [decode_splits(1, nkv, 1024), decode_splits(4096, nkv, 1024)]
+    assert auto[0] > 1 and auto[1] == 1      # few rows: split; a full GPU: one pass
+    assert splits == {"auto": auto, "single": [1, 1], "split": [auto[0], 2]}
