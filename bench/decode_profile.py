@@ -3,6 +3,7 @@ weights x BF16 / FP8 KV cache, from the PyTorch profiler (CUPTI: kernels inside 
 are reported too). Issue 16's "profile before optimising".
 
     python -m bench.decode_profile [--batch 256] [--prompt-len 896] [--new 128]
+                                   [--attention single,split]
 
 One generate call per configuration on a random Qwen3-0.6B-shaped model, prompts of
 `--prompt-len` random tokens and exactly `--new` sampled tokens, so every decode step attends
@@ -15,6 +16,11 @@ generation, where the KV cache dominates the bytes). Per configuration:
   next to the copy bandwidth measured in the same run (the attention's own roofline).
 Prefill is profiled too but left out of the per-step figures (its kernels run once; the groups
 count only kernels launched `--new` - 1 times or more).
+
+`--attention`: the decode attention kernels to compare, each over all four configurations:
+`rollout.decode_attention` modes (single, split, auto) or a fixed number of context splits
+(1 = single); the `splits` column says how many each used (the attention group then holds the
+split kernel and its combine kernel).
 
 `--smoke`: a tiny model on the CPU (torch kernels, CPU operator times), to exercise the code.
 """
@@ -99,7 +105,9 @@ def main() -> None:
         p.add_argument("--prompt-len", type=int, default=896),
         p.add_argument("--new", type=int, default=128),
         p.add_argument("--no-graphs", action="store_true",
-                       help="decode without CUDA graphs (if the profiler misses graph kernels)")))
+                       help="decode without CUDA graphs (if the profiler misses graph kernels)"),
+        p.add_argument("--attention", default="single,split",
+                       help="comma list of rollout.decode_attention modes or split counts")))
     gpu = not args.smoke
     device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
     fields = QWEN3_06B if gpu else TINY
@@ -112,15 +120,28 @@ def main() -> None:
     prompts = torch.randint(2, shape.vocab, (batch, prompt_len), generator=g).tolist()
     steps = new - 1
     rows, summary = [], []
-    for quant, kv in (("none", "auto"), ("none", "fp8"), ("fp8", "auto"), ("fp8", "fp8")):
+    modes = args.attention.split(",")
+    for choice in modes:
+        if choice not in ("auto", "single", "split") and not (choice.isdigit() and int(choice)):
+            raise SystemExit(f"--attention: {choice!r} is not auto, single, split or a count > 0")
+    configs = [(quant, kv, choice) for quant, kv in (("none", "auto"), ("none", "fp8"),
+                                                   ("fp8", "auto"), ("fp8", "fp8"))
+               for choice in modes]
+    for quant, kv, choice in configs:
+        mode = choice if choice in ("auto", "single", "split") else "single"
         cfg = RolloutConfig(engine="native", quantization=quant, max_batch_size=batch,
                             max_model_len=prompt_len + new, max_new_tokens=new,
-                            kv_cache_dtype=kv, cuda_graphs=not args.no_graphs)
+                            kv_cache_dtype=kv, cuda_graphs=not args.no_graphs,
+                            decode_attention=mode)
         engine = NativeEngine.from_config(config, cfg, device=device,
                                           dtype="bfloat16" if gpu else "float32")
         engine.load_weights(state, version=1)
+        if mode != choice:
+            engine.model.fixed_splits = int(choice)
+        splits = engine.model.attention_splits(batch)   # batch = its bucket (max_batch_size)
         name = ("FP8" if quant == "fp8" else "BF16") + " weights + " + (
-            "FP8" if kv == "fp8" else "BF16") + " KV"
+            "FP8" if kv == "fp8" else "BF16") + " KV, " + (
+            f"{choice} attention" if mode == choice else f"{choice} splits")
         kv_step = engine.model.cache_bytes(1) / cfg.max_model_len * batch * (
             prompt_len + new / 2)
         kernels, wall = profile(engine, prompts, new, gpu)
@@ -128,11 +149,12 @@ def main() -> None:
         engine.shutdown()
         del engine
         for group, (us, count) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
-            rows.append({"engine": name, "group": group, "us_per_step": us,
+            rows.append({"engine": name, "splits": splits, "group": group, "us_per_step": us,
                          "share_of_busy": us / busy if busy else None,
                          "kernels_per_step": count})
         attn = groups.get("attention", [0.0])[0]
-        summary.append({"engine": name, "group": "(step)", "us_per_step": wall / new * 1e6,
+        summary.append({"engine": name, "splits": splits, "group": "(step)",
+                        "us_per_step": wall / new * 1e6,
                         "gpu_busy_us": busy,
                         "kernels_per_step": sum(c for _, c in groups.values()),
                         "kv_MB_per_step": kv_step / 1e6,
@@ -141,6 +163,8 @@ def main() -> None:
     info = {**device_info(), "copy_GBps": bw / 1e9}
     notes = [f"batch {batch}, prompts of {prompt_len} random tokens, {new} sampled tokens "
              f"(temperature 1, no EOS); per-step figures over the {steps} decode steps",
+             "splits: context splits of the decode attention per (row, kv head); 1 = the "
+             "single-pass kernel (on CPU the torch reference runs whatever it says)",
              "(step) rows: us_per_step = wall time of the generate call / new tokens (prefill "
              "included); gpu_busy_us = the kernels' time per decode step; kv_MB_per_step = the "
              "KV bytes one step reads at the mean context; attention_GBps = those bytes / the "
@@ -151,7 +175,7 @@ def main() -> None:
     if gpu and not any(r["group"] == "attention" for r in rows):
         notes.append("WARNING: no attention kernel was reported: the profiler did not see the "
                      "kernels inside the CUDA graphs; rerun with --no-graphs")
-    columns = ["engine", "group", "us_per_step", "share_of_busy", "kernels_per_step",
+    columns = ["engine", "splits", "group", "us_per_step", "share_of_busy", "kernels_per_step",
                "gpu_busy_us", "kv_MB_per_step", "attention_GBps"]
     write_results("decode_profile" + ("_smoke" if args.smoke else ""), args.out, info,
                   summary + rows, columns, notes)

@@ -18,6 +18,11 @@ weights and `--overhead-gb`, how many sequences of prompt + max(new) tokens the 
 holds (`NativeQwen3.max_cache_rows`, the memory planner's formula); the cache of that many rows
 is then really allocated (its GB are reported).
 
+`--attention single,split` (rollout.decode_attention modes, or fixed split counts) runs every
+native configuration once per decode attention kernel, side by side; rows of a mode other than
+`single` (the default) name it in the engine column, and vs_native_bf16 stays relative to native
+bf16 with the single-pass kernel.
+
 Run: python -m bench.rollout
 """
 from __future__ import annotations
@@ -103,7 +108,7 @@ def max_sequences(engine, budget: float) -> tuple[int, float]:
 def main() -> None:
     from rl.config import RolloutConfig
     from rl.models.name_maps import full_state_for_engine
-    from rl.rollout.native.engine import NativeEngine
+    from rl.rollout.native.engine import NativeEngine, _bucket
     from rl.rollout.native.model import Shape
 
     args = parse_args(__doc__.splitlines()[0], lambda p: (
@@ -112,11 +117,17 @@ def main() -> None:
         p.add_argument("--models", default="dense,moe"),
         p.add_argument("--hf-max-new", type=int, default=128),
         p.add_argument("--mem-fraction", type=float, default=0.85),
-        p.add_argument("--overhead-gb", type=float, default=5.0)))
+        p.add_argument("--overhead-gb", type=float, default=5.0),
+        p.add_argument("--attention", default="single",
+                       help="comma list of rollout.decode_attention modes or split counts")))
     gpu = not args.smoke
     device = "cuda" if gpu else "cpu"
     dtype = torch.bfloat16 if gpu else torch.float32
     batches, news = (_ints(args.batches), _ints(args.new)) if gpu else ([2], [6])
+    modes = args.attention.split(",")
+    for choice in modes:
+        if choice not in ("auto", "single", "split") and not (choice.isdigit() and int(choice)):
+            raise SystemExit(f"--attention: {choice!r} is not auto, single, split or a count > 0")
     prompt_len = args.prompt_len if gpu else 8
     bw = measure_copy_bandwidth(device, 2.0 if gpu else 0.02) * 1e9
     peak = measure_bf16_peak(device, 8192 if gpu else 256) * 1e12
@@ -136,11 +147,13 @@ def main() -> None:
              f"HF generate runs only up to {args.hf_max_new} new tokens (device-time budget)",
              f"max_seqs: sequences of {prompt_len} + {max(news)} tokens in {args.mem_fraction} x "
              f"GPU memory - weights - {args.overhead_gb:g} GB (the cache is allocated; cache_GB)",
+             "attn_splits: context splits per (row, kv head) of the native decode attention "
+             "at that batch (1 = the single-pass kernel)",
              "vs_native_bf16: tokens/s over native bf16 (BF16 weights and KV cache) at the same "
              "model, batch and length",
              "targets (0.6B, batch 256): native FP8 >= 4x HF generate; >= 35% of roofline; "
              "FP8 weights + FP8 KV >= 1.5x native bf16 at 1024 new tokens; ~2x max_seqs"]
-    columns = ["model", "engine", "batch", "new_tokens", "seconds", "tokens_per_s", "vs_HF",
+    columns = ["model", "engine", "attn_splits", "batch", "new_tokens", "seconds", "tokens_per_s", "vs_HF",
                "vs_native_bf16", "roofline_tokens_per_s", "fraction_of_roofline", "weight_GB",
                "max_seqs", "cache_GB"]
     total_mem = (torch.cuda.get_device_properties(0).total_memory if gpu else 2 ** 30)
@@ -187,31 +200,45 @@ def main() -> None:
                             row["seconds"] = "not run"
                         save(row)
                 continue
-            cfg = RolloutConfig(engine="native", quantization=quant, max_batch_size=max(batches),
-                                max_model_len=prompt_len + max(news), max_new_tokens=max(news),
-                                kv_cache_dtype=kv)
-            engine = NativeEngine.from_config(config, cfg, device=device,
-                                              dtype="bfloat16" if gpu else "float32")
-            engine.load_weights(state, version=1)
-            wbytes = engine.model.weight_bytes()
-            kv_token = engine.model.cache_bytes(1) / cfg.max_model_len
-            name = "native " + ("fp8" if quant == "fp8" else "bf16") + (
-                " + fp8 kv" if kv == "fp8" else "")
-            for b in batches:
-                for new in news:
-                    secs = run_native(engine, prompts[b], new)
-                    roof = roofline_seconds(shape, wbytes, b, prompt_len, new, bw, peak, kv_token)
-                    save({"model": label, "engine": name,
-                          "batch": b, "new_tokens": new, "seconds": secs,
-                          "tokens_per_s": b * new / secs, "roofline_tokens_per_s": b * new / roof,
-                          "fraction_of_roofline": roof / secs, "weight_GB": wbytes / 1e9})
-            budget = args.mem_fraction * total_mem - wbytes - args.overhead_gb * 1e9
-            seqs, cache_gb = max_sequences(engine, budget)
-            save({"model": label, "engine": name, "weight_GB": wbytes / 1e9, "max_seqs": seqs,
-                  "cache_GB": cache_gb})
-            del engine
-            gc.collect()
-            torch.cuda.empty_cache() if gpu else None
+            for i, choice in enumerate(modes):
+                mode = choice if choice in ("auto", "single", "split") else "single"
+                cfg = RolloutConfig(engine="native", quantization=quant,
+                                    max_batch_size=max(batches),
+                                    max_model_len=prompt_len + max(news),
+                                    max_new_tokens=max(news), kv_cache_dtype=kv,
+                                    decode_attention=mode)
+                engine = NativeEngine.from_config(config, cfg, device=device,
+                                                  dtype="bfloat16" if gpu else "float32")
+                engine.load_weights(state, version=1)
+                if mode != choice:
+                    engine.model.fixed_splits = int(choice)
+                wbytes = engine.model.weight_bytes()
+                kv_token = engine.model.cache_bytes(1) / cfg.max_model_len
+                name = "native " + ("fp8" if quant == "fp8" else "bf16") + (
+                    " + fp8 kv" if kv == "fp8" else "") + (
+                    "" if choice == "single" else f" ({choice} attention)" if mode == choice
+                    else f" ({choice} splits)")
+                for b in batches:
+                    splits = engine.model.attention_splits(_bucket(b, cfg.max_batch_size))
+                    for new in news:
+                        secs = run_native(engine, prompts[b], new)
+                        roof = roofline_seconds(shape, wbytes, b, prompt_len, new, bw, peak,
+                                                kv_token)
+                        save({"model": label, "engine": name, "attn_splits": splits,
+                              "batch": b, "new_tokens": new, "seconds": secs,
+                              "tokens_per_s": b * new / secs,
+                              "roofline_tokens_per_s": b * new / roof,
+                              "fraction_of_roofline": roof / secs, "weight_GB": wbytes / 1e9})
+                if i == 0:  # the cache holds as many sequences whatever the attention kernel
+                    budget = args.mem_fraction * total_mem - wbytes - args.overhead_gb * 1e9
+                    seqs, cache_gb = max_sequences(engine, budget)
+                    save({"model": label, "engine": name, "weight_GB": wbytes / 1e9,
+                          "max_seqs": seqs, "cache_GB": cache_gb})
+                else:
+                    engine.shutdown()
+                del engine
+                gc.collect()
+                torch.cuda.empty_cache() if gpu else None
         del hf, state
         gc.collect()
         torch.cuda.empty_cache() if gpu else None

@@ -7,8 +7,9 @@
 #   (fp8gemm: the decode GEMMs, FP8 paths vs BF16 vs the roofline; issue 16's measurement)
 #   (r3: routing replay, native FP8 engine vs BF16 trainer model; not in the default list)
 #   (tests_sync_only: the sync test without the RL step)
-#   (profile: where a decode step's time goes, bench/decode_profile.py, plus ncu on the
-#    decode attention kernel with the FP8 KV cache)
+#   (profile: where a decode step's time goes, bench/decode_profile.py, single-pass vs split-K
+#    decode attention; ncu on each attention kernel; bench/rollout.py's dense rows with both
+#    kernels into $OUT/decode_attention/)
 #   (topology: issue 17's Slurm hetjob on GPU nodes, bench/topology_gpu.py; carry .whl, .ray
 #    (bench/ray_slim.sh) and .debs (slurm/testing/fetch_debs.sh))
 # Writes into $OUT (default bench/results): run.log, gpu_report.jsonl, <bench>.json / .md.
@@ -68,11 +69,19 @@ for s in $sections; do
                 run v4_attention 300 python3 -m bench.v4_attention --out "$OUT" ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ;;
         fp8gemm) run fp8_gemm 150 python3 -m bench.fp8_gemm --out "$OUT" ;;
-        profile) run decode_profile 240 python3 -m bench.decode_profile --out "$OUT"
-                 run ncu_attention 240 ncu --kernel-name regex:_decode_attn --launch-skip 200 \
-                     --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-                     --section Occupancy --section LaunchStats -o "$OUT/ncu_attention" \
-                     python3 -m bench.decode_profile --out /tmp/ncu_run ;;
+        profile) run decode_profile 420 python3 -m bench.decode_profile --out "$OUT"
+                 # each decode attention kernel alone (split: its split and combine kernels)
+                 for attn in single split; do
+                     run ncu_attention_$attn 240 ncu --kernel-name regex:_decode_attn \
+                         --launch-skip 200 --launch-count 2 --section SpeedOfLight \
+                         --section MemoryWorkloadAnalysis --section Occupancy \
+                         --section LaunchStats -o "$OUT/ncu_attention_$attn" \
+                         python3 -m bench.decode_profile --attention $attn --out /tmp/ncu_run
+                 done
+                 # old vs new decode attention end to end (own directory: bench/results/rollout.*
+                 # stay the committed single-kernel run)
+                 run rollout_attention 560 python3 -m bench.rollout --models dense \
+                     --attention single,split --hf-max-new 0 --out "$OUT/decode_attention" ;;
         topology) run topology 560 python3 -m bench.topology_gpu --out "$OUT" ;;
         r3) run routing_replay 240 python3 -m bench.routing_replay --out "$OUT" ;;
         *) echo "unknown section $s" | tee -a "$LOG"; failed+=("$s") ;;

@@ -230,12 +230,13 @@ class RolloutConfig:
     (allocated as needed, in power-of-two batch buckets). Larger requests run in chunks."""
     cuda_graphs: bool = True
     """`native`: replay each decode step from a CUDA graph (one per batch bucket); off = eager."""
-    decode_attention: Literal["auto", "single", "split"] = "auto"
+    decode_attention: Literal["auto", "single", "split"] = "single"
     """`native` on GPU, the decode attention kernel: `single` (one program per row and KV head
-    walks the whole context), `split` (split-K, "flash-decoding": each row and KV head's context
-    split over several programs, their partials combined by a second kernel) or `auto` (split
-    where `decode_splits` in rl/rollout/native/kernels.py gives more than one split for the
-    batch bucket and max_model_len, i.e. where rows x KV heads alone do not fill the GPU)."""
+    walks the whole context; the kernel bench/results/rollout.md measured), `split` (split-K,
+    "flash-decoding": each row and KV head's context split over several programs, their
+    partials combined by a second kernel) or `auto` (split where `decode_splits` in
+    rl/rollout/native/kernels.py gives more than one split for the batch bucket and
+    max_model_len, i.e. where rows x KV heads alone do not fill the GPU)."""
     fp8_keep_bf16: list[str] | None = None
     """`native` with quantization fp8: name patterns of linear weights kept in BF16 (glob, or
     're:REGEX'); null = rl.quant.DEFAULT_KEEP_BF16. Embeddings, LM head, router, norms are

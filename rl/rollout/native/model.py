@@ -94,7 +94,7 @@ class NativeQwen3:
 
     def __init__(self, shape: Shape, device: torch.device, dtype: torch.dtype, fp8: bool,
                  keep: KeepPolicy | Sequence[str] | None, max_len: int, impl: str,
-                 pow2: bool = False, kv_fp8: bool = False, decode_attention: str = "auto"):
+                 pow2: bool = False, kv_fp8: bool = False, decode_attention: str = "single"):
         self.s, self.device, self.dtype, self.impl, self.max_len = shape, device, dtype, impl, max_len
         self.decode_attention = decode_attention
         """`rollout.decode_attention`: auto, single or split (see `attention_splits`)."""
