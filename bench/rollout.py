@@ -153,9 +153,9 @@ def main() -> None:
              "model, batch and length",
              "targets (0.6B, batch 256): native FP8 >= 4x HF generate; >= 35% of roofline; "
              "FP8 weights + FP8 KV >= 1.5x native bf16 at 1024 new tokens; ~2x max_seqs"]
-    columns = ["model", "engine", "attn_splits", "batch", "new_tokens", "seconds", "tokens_per_s", "vs_HF",
-               "vs_native_bf16", "roofline_tokens_per_s", "fraction_of_roofline", "weight_GB",
-               "max_seqs", "cache_GB"]
+    columns = ["model", "engine", "attn_splits", "batch", "new_tokens", "seconds", "tokens_per_s",
+               "vs_HF", "vs_native_bf16", "roofline_tokens_per_s", "fraction_of_roofline",
+               "weight_GB", "max_seqs", "cache_GB"]
     total_mem = (torch.cuda.get_device_properties(0).total_memory if gpu else 2 ** 30)
 
     def save(row: dict) -> None:  # after every row, so a time limit leaves partial results
