@@ -66,6 +66,22 @@ def parse_args(description: str, extra=None) -> argparse.Namespace:
     return parser.parse_args()
 
 
+def attention_choices(text: str) -> list[tuple[str, int | None]]:
+    """`--attention` of the rollout benchmarks: comma list of rollout.decode_attention modes or
+    fixed split counts -> [(mode, fixed splits or None)]; anything else exits 2 naming it."""
+    out = []
+    for choice in text.split(","):
+        if choice in ("auto", "single", "split"):
+            out.append((choice, None))
+        elif choice.isdigit() and int(choice) > 0:
+            out.append(("single", int(choice)))
+        else:
+            print(f"--attention: {choice!r} is not auto, single, split or a count > 0",
+                  file=sys.stderr)
+            raise SystemExit(2)
+    return out
+
+
 def device_info() -> dict:
     info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "torch": torch.__version__, "python": platform.python_version(),

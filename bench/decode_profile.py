@@ -32,8 +32,8 @@ from collections import defaultdict
 import torch
 from torch.autograd import DeviceType
 
-from bench.common import (QWEN3_06B, TINY, device_info, hf_config, measure_copy_bandwidth,
-                          parse_args, random_model, sync, write_results)
+from bench.common import (QWEN3_06B, TINY, attention_choices, device_info, hf_config,
+                          measure_copy_bandwidth, parse_args, random_model, sync, write_results)
 
 GROUPS = (("attention", ("decode_attn", "attention", "sdpa", "flash")),
           ("qk-norm+rope+cache", ("qk_rope_cache", "rope", "qk_norm")),
@@ -120,15 +120,10 @@ def main() -> None:
     prompts = torch.randint(2, shape.vocab, (batch, prompt_len), generator=g).tolist()
     steps = new - 1
     rows, summary = [], []
-    modes = args.attention.split(",")
-    for choice in modes:
-        if choice not in ("auto", "single", "split") and not (choice.isdigit() and int(choice)):
-            raise SystemExit(f"--attention: {choice!r} is not auto, single, split or a count > 0")
-    configs = [(quant, kv, choice) for quant, kv in (("none", "auto"), ("none", "fp8"),
-                                                   ("fp8", "auto"), ("fp8", "fp8"))
-               for choice in modes]
-    for quant, kv, choice in configs:
-        mode = choice if choice in ("auto", "single", "split") else "single"
+    configs = [(quant, kv, mode, fixed) for quant, kv in (("none", "auto"), ("none", "fp8"),
+                                                         ("fp8", "auto"), ("fp8", "fp8"))
+               for mode, fixed in attention_choices(args.attention)]
+    for quant, kv, mode, fixed in configs:
         cfg = RolloutConfig(engine="native", quantization=quant, max_batch_size=batch,
                             max_model_len=prompt_len + new, max_new_tokens=new,
                             kv_cache_dtype=kv, cuda_graphs=not args.no_graphs,
@@ -136,12 +131,11 @@ def main() -> None:
         engine = NativeEngine.from_config(config, cfg, device=device,
                                           dtype="bfloat16" if gpu else "float32")
         engine.load_weights(state, version=1)
-        if mode != choice:
-            engine.model.fixed_splits = int(choice)
+        engine.model.fixed_splits = fixed
         splits = engine.model.attention_splits(batch)   # batch = its bucket (max_batch_size)
         name = ("FP8" if quant == "fp8" else "BF16") + " weights + " + (
             "FP8" if kv == "fp8" else "BF16") + " KV, " + (
-            f"{choice} attention" if mode == choice else f"{choice} splits")
+            f"{mode} attention" if fixed is None else f"{fixed} splits")
         kv_step = engine.model.cache_bytes(1) / cfg.max_model_len * batch * (
             prompt_len + new / 2)
         kernels, wall = profile(engine, prompts, new, gpu)

@@ -32,9 +32,9 @@ import time
 
 import torch
 
-from bench.common import (QWEN3_06B, QWEN3_MOE_SMALL, TINY, TINY_MOE, device_info, hf_config,
-                          measure_bf16_peak, measure_copy_bandwidth, parse_args, random_model,
-                          sync, write_results)
+from bench.common import (QWEN3_06B, QWEN3_MOE_SMALL, TINY, TINY_MOE, attention_choices,
+                          device_info, hf_config, measure_bf16_peak, measure_copy_bandwidth,
+                          parse_args, random_model, sync, write_results)
 
 
 def _ints(text: str) -> list[int]:
@@ -124,10 +124,7 @@ def main() -> None:
     device = "cuda" if gpu else "cpu"
     dtype = torch.bfloat16 if gpu else torch.float32
     batches, news = (_ints(args.batches), _ints(args.new)) if gpu else ([2], [6])
-    modes = args.attention.split(",")
-    for choice in modes:
-        if choice not in ("auto", "single", "split") and not (choice.isdigit() and int(choice)):
-            raise SystemExit(f"--attention: {choice!r} is not auto, single, split or a count > 0")
+    modes = attention_choices(args.attention)
     prompt_len = args.prompt_len if gpu else 8
     bw = measure_copy_bandwidth(device, 2.0 if gpu else 0.02) * 1e9
     peak = measure_bf16_peak(device, 8192 if gpu else 256) * 1e12
@@ -200,8 +197,7 @@ def main() -> None:
                             row["seconds"] = "not run"
                         save(row)
                 continue
-            for i, choice in enumerate(modes):
-                mode = choice if choice in ("auto", "single", "split") else "single"
+            for i, (mode, fixed) in enumerate(modes):
                 cfg = RolloutConfig(engine="native", quantization=quant,
                                     max_batch_size=max(batches),
                                     max_model_len=prompt_len + max(news),
@@ -210,14 +206,13 @@ def main() -> None:
                 engine = NativeEngine.from_config(config, cfg, device=device,
                                                   dtype="bfloat16" if gpu else "float32")
                 engine.load_weights(state, version=1)
-                if mode != choice:
-                    engine.model.fixed_splits = int(choice)
+                engine.model.fixed_splits = fixed
                 wbytes = engine.model.weight_bytes()
                 kv_token = engine.model.cache_bytes(1) / cfg.max_model_len
                 name = "native " + ("fp8" if quant == "fp8" else "bf16") + (
                     " + fp8 kv" if kv == "fp8" else "") + (
-                    "" if choice == "single" else f" ({choice} attention)" if mode == choice
-                    else f" ({choice} splits)")
+                    f" ({fixed} splits)" if fixed is not None else
+                    "" if mode == "single" else f" ({mode} attention)")
                 for b in batches:
                     splits = engine.model.attention_splits(_bucket(b, cfg.max_batch_size))
                     for new in news:
