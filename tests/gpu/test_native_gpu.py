@@ -1,5 +1,6 @@
 """The native engine on one GPU: Triton kernels, FP8 log-probs vs the BF16 HF model (KL),
-CUDA graphs vs eager, weight updates under captured graphs."""
+CUDA graphs vs eager, weight updates under captured graphs, split-K vs single-pass decode
+attention."""
 import pytest
 import torch
 
