@@ -177,7 +177,8 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
         lines.append(place(f"routed experts (1/{ep}, expert parallel): weights, gradients",
                            routed / ep * 2 * w, "gpu"))
         lines.append(place(f"routed experts (1/{ep}): fp32 master, AdamW m, v (host RAM"
-                           f"{', not NVMe' if opt_dev == 'nvme' else ''})", routed / ep * 12, "cpu"))
+                           f"{', not NVMe' if opt_dev == 'nvme' else ''})", routed / ep * 12,
+                           "cpu"))
         # Stepped one tensor at a time: one fp32 gradient buffer (and a bf16 staging one) of
         # the largest shard.
         largest = max((x.numel for x in arch.tensors if x.routed), default=0) / ep

@@ -147,11 +147,13 @@ def test_offloaded_expert_step_matches_the_device_step_and_resumes_bitwise(tmp_p
     for n, w in ref["weights"].items():
         assert torch.equal(same["weights"][n], w), n
     # DeepSpeedCPUAdam: the same AdamW (decoupled weight decay), its own rounding. Step 1 runs
-    # on the same weights; then bf16 weights differ by at most one rounding here and there.
+    # on the same weights; after it, rounding makes them drift apart a little (below).
     assert ds["steps"][0][0] == ref["steps"][0][0] and ds["steps"][1][0] == ref["steps"][1][0]
+    # Measured: losses within 5.1e-5 (relative), gradient norms within 2.9e-4.
     for got, want in zip(ds["steps"], ref["steps"]):
         for (loss, norm), (loss_r, norm_r) in zip(got, want):
-            assert loss == pytest.approx(loss_r, rel=1e-3) and norm == pytest.approx(norm_r, rel=1e-2)
+            assert loss == pytest.approx(loss_r, rel=5e-4)
+            assert norm == pytest.approx(norm_r, rel=3e-3)
     # Adam divides by sqrt(v) + eps: where an expert saw almost no gradient, rounding moves
     # that entry's update by up to a step (lr), so the bound is on the mean: the two optimizers'
     # weights differ by under 1% of how far the weights moved (measured: 0.1-0.2%).
