@@ -227,11 +227,13 @@ class ExpertParallel:
         params = list(self.master.values())
         if self.offload:
             # The optimizer DeepSpeed steps the dense part with under the same offload (the
-            # worker's, already built when offloading): AdamW semantics (adamw_mode: decoupled
-            # weight decay, the same bias corrections and eps placement as torch's AdamW), one
-            # fused SIMD, multi-threaded pass per tensor. torch's CPU AdamW makes ~10 passes
-            # over memory per tensor (foreach only groups the launches), which at V4-Flash scale
-            # (17B expert parameters per rank at EP 16) is what bounds the step.
+            # worker builds it anyway when offloading): AdamW semantics (adamw_mode: decoupled
+            # weight decay, torch's bias corrections and eps placement), one fused SIMD pass
+            # over parameter, gradient and moments per tensor (OpenMP threads). torch's CPU
+            # AdamW runs each elementwise op (decay, two moment updates, sqrt, divide, update)
+            # as its own pass with temporaries (foreach on CPU only groups the calls): several
+            # times the memory traffic, which is what bounds a host step of 17B expert
+            # parameters per rank (V4-Flash at EP 16).
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             self.optimizer = DeepSpeedCPUAdam(params, lr=lr, betas=tuple(betas),
                                               weight_decay=weight_decay, adamw_mode=True)
