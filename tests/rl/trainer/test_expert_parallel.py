@@ -6,8 +6,6 @@ rank holds half of every MoE layer's experts; the log-probs, losses, the global 
 (the second Adam step depends on gradient magnitudes, not only signs) must match EP=1. Routing
 replay (r2) runs in both, through the HF routers EP leaves in place. Then: the weight sync's full
 state gathers the experts from both ranks, and a checkpoint written with EP=2 resumes bitwise.
-Once with `optimizer_offload: cpu` in both runs (the experts' own CPU step through the worker,
-beside DeepSpeed's offloaded dense step; test_expert_offload.py checks that step alone).
 """
 import random
 
@@ -24,11 +22,10 @@ from rl.trainer.worker import RankInfo, TrainerWorker
 pytestmark = pytest.mark.slow
 
 
-def _ranks(model_dir, ep: int, name: str, zero_stage: int = 3, offload: str = "none"
-           ) -> list[ProcActor]:
+def _ranks(model_dir, ep: int, name: str, zero_stage: int = 3) -> list[ProcActor]:
     cfg = TrainerConfig(num_ranks=2, zero_stage=zero_stage, device="cpu", lr=1e-3,
                         micro_batch_tokens=48, num_mini_batches=2, grad_clip=0.5,
-                        expert_parallel_size=ep, optimizer_offload=offload)
+                        expert_parallel_size=ep)
     algo = AlgorithmConfig(kl_coef=0.0, routing_replay="r2")
     port = free_port()
     actors = [ProcActor(TrainerWorker, cfg, algo, SyncConfig(bucket_mb=0.25), str(model_dir),
@@ -53,11 +50,11 @@ def _batch(n=8, seed=0) -> TrainBatch:
                       advantages=[1.0 if i % 2 else -1.0 for i in range(n)])
 
 
-def _run(model_dir, ep: int, ckpt=None, zero_stage: int = 3, offload: str = "none") -> dict:
+def _run(model_dir, ep: int, ckpt=None, zero_stage: int = 3) -> dict:
     """Score, one train step (2 optimizer steps), full state; with `ckpt`: save after step 1,
     train step 2, then a fresh set of ranks loads and trains step 2 again."""
     batch, batch2 = _batch(), _batch(seed=1)
-    ranks = _ranks(model_dir, ep, f"ep{ep}-", zero_stage, offload)
+    ranks = _ranks(model_dir, ep, f"ep{ep}-", zero_stage)
     try:
         out = {"score": wait_all([a.call("score", batch.prompt_ids, batch.response_ids)
                                   for a in ranks], timeout=600)}
@@ -71,7 +68,7 @@ def _run(model_dir, ep: int, ckpt=None, zero_stage: int = 3, offload: str = "non
         for a in ranks:
             a.close()
     if ckpt is not None:
-        ranks = _ranks(model_dir, ep, f"resume{ep}-", zero_stage, offload)
+        ranks = _ranks(model_dir, ep, f"resume{ep}-", zero_stage)
         try:
             wait_all([a.call("load", ckpt, "s1") for a in ranks], timeout=600)
             out["resumed_stats2"] = wait_all([a.call("train_step", batch2, 2) for a in ranks],
@@ -90,16 +87,14 @@ def _stats(s: dict) -> dict:
 
 # Resume once: the shards' save/load path is the same for every model and stage. ZeRO-2 once:
 # DeepSpeed's norm, which must include the experts', comes from another method there.
-# Optimizer offload once: DeepSpeed's CPU Adam steps the dense part (and, at EP = 1, the
-# experts), the experts' own CPU step runs through the worker, and it resumes bitwise.
-@pytest.mark.parametrize("preset, zero_stage, resume, offload", [
-    ("tiny-qwen3-moe", 3, True, "none"), ("tiny-deepseek-v4", 3, False, "none"),
-    ("tiny-qwen3-moe", 2, False, "none"), ("tiny-qwen3-moe", 3, True, "cpu")])
-def test_ep2_matches_ep1_and_resumes_bitwise(tmp_path, preset, zero_stage, resume, offload):
+@pytest.mark.parametrize("preset, zero_stage, resume", [("tiny-qwen3-moe", 3, True),
+                                                        ("tiny-deepseek-v4", 3, False),
+                                                        ("tiny-qwen3-moe", 2, False)])
+def test_ep2_matches_ep1_and_resumes_bitwise(tmp_path, preset, zero_stage, resume):
     model_dir = resolve_model_dir(ModelConfig(preset=preset), tmp_path / "models")
-    ref = _run(model_dir, ep=1, zero_stage=zero_stage, offload=offload)
+    ref = _run(model_dir, ep=1, zero_stage=zero_stage)
     got = _run(model_dir, ep=2, ckpt=str(tmp_path / "ckpt") if resume else None,
-               zero_stage=zero_stage, offload=offload)
+               zero_stage=zero_stage)
 
     for a, b in zip(got["score"][0], ref["score"][0]):
         assert a == pytest.approx(b, abs=1e-5)
