@@ -170,9 +170,20 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
             lines.append(place("fp32 gradient copy (optimizer step)", fp32_grad, "gpu", "step"))
         else:
             lines.append(place("fp32 gradients (offloaded)", fp32_grad, opt_where))
-    if ep > 1:  # weights, gradients, fp32 master (bf16 only), AdamW m and v: not partitioned
+    if ep > 1 and opt_dev == "none":  # weights, gradients, fp32 master (bf16 only), AdamW m, v
         lines.append(place(f"routed experts (1/{ep}, expert parallel): weights, gradients, "
                            "optimizer", routed / ep * (2 * w + (4 if bf16 else 0) + 8), "gpu"))
+    elif ep > 1:  # offloaded (nvme too): rl.trainer.expert_parallel keeps the state in host RAM
+        lines.append(place(f"routed experts (1/{ep}, expert parallel): weights, gradients",
+                           routed / ep * 2 * w, "gpu"))
+        lines.append(place(f"routed experts (1/{ep}): fp32 master, AdamW m, v (host RAM"
+                           f"{', not NVMe' if opt_dev == 'nvme' else ''})", routed / ep * 12,
+                           "cpu"))
+        # Stepped one tensor at a time: one fp32 gradient buffer (and a bf16 staging one) of
+        # the largest shard.
+        largest = max((x.numel for x in arch.tensors if x.routed), default=0) / ep
+        lines.append(place("routed experts: fp32 gradient of one tensor (CPU AdamW step)",
+                           largest * (4 + (w if bf16 else 0)), "cpu"))
     if opt_dev == "nvme":
         swap = SWAP_BUFFERS * min(SUB_GROUP_ELEMS, P / n) * 4
         lines.append(place("NVMe swap buffers (pinned)", swap, "cpu"))
@@ -220,9 +231,10 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
     elif arch.model_type in EAGER_ONLY:
         notes.append("attention: rl.models.v4_attention, O(S) memory, the trainer's default for "
                      f"{arch.model_type} (measured: bench/results/v4_attention.md)")
-    if ep > 1 and opt_dev != "none":
+    if ep > 1 and opt_dev == "nvme":
         notes.append("expert parallelism: the routed experts' fp32 master weights and AdamW "
-                     "moments stay on the GPU (rl.trainer.expert_parallel does not offload them)")
+                     "moments go to host RAM, not NVMe (rl.trainer.expert_parallel steps them "
+                     "on the CPU; DeepSpeed's NVMe swapper serves only its own ZeRO state)")
     if not on_gpu:  # CPU run: everything sits in host memory of the one machine
         for ln in lines:
             ln.host, ln.gpu = ln.host + ln.gpu * per_node, 0.0

@@ -83,6 +83,8 @@ def _more_nodes(cfg: Config, arch: Arch, group: str) -> str | None:
         return None
     for nodes in range(cl.nodes + 1, cl.nodes + MAX_EXTRA_NODES + 1):
         if group == "trainer":
+            if nodes * cl.gpus_per_node % cfg.trainer.expert_parallel_size:
+                continue  # the config refuses ranks that EP groups do not divide
             ch = {"cluster.trainer.nodes": nodes, "trainer.num_ranks": nodes * cl.gpus_per_node}
             g = plan_trainer(with_changes(cfg, ch), arch)
         else:

@@ -319,7 +319,9 @@ def estimate(cfg: Config, arch: Arch, rollout: GroupPlan) -> StepTime:
              f"step (max_staleness {staleness}: max(rollout, train + sync))", total),
         f"not counted: {t.num_mini_batches * t.ppo_epochs} optimizer step(s)"
         + (f" (offloaded to {t.optimizer_offload}: 16 B of fp32 state per parameter moves "
-           "each time)" if t.optimizer_offload != "none" else "")
+           "each time" + ("; the routed experts' AdamW runs on the host CPU, their bf16 "
+                          "gradients and weights cross PCIe" if ep > 1 else "") + ")"
+           if t.optimizer_offload != "none" else "")
         + ", reward, evaluation, checkpoints"
         + (", V4 prefill attention (no measured inference rate)"
            if arch.model_type in EAGER_ONLY else ""),

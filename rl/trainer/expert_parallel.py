@@ -22,6 +22,14 @@ owns their gradient reduction (over `edp_group` only), their AdamW (same hyper-p
 learning rate as DeepSpeed's), their checkpoint file and their gather for the weight sync. The
 global gradient norm DeepSpeed clips with includes the experts' (`attach_grad_norm`), so
 clipping and the reported `train/grad_norm` are those of the whole model, as with EP = 1.
+
+With `offload` (`trainer.optimizer_offload` cpu or nvme) the shards' fp32 master weights and AdamW
+moments live in host RAM (the master pinned when CUDA is present) and the step runs on the CPU:
+one parameter at a time, its gradient comes to a reused host buffer in fp32, DeepSpeedCPUAdam
+updates the master and the moments, and the master goes back into the device shard in the
+training dtype. The device keeps only the shards' weights and gradients. NVMe is not used for
+them (DeepSpeed's swapper is built into its ZeRO optimizer): with `nvme` they stay in host RAM
+too, and `launch.plan` counts them there.
 """
 from __future__ import annotations
 
@@ -151,8 +159,11 @@ class ExpertParallel:
     """This rank's expert shards of `model` (replaced in place at construction), their optimizer,
     gradient reduction, checkpoint and gather. Collective methods say so."""
 
-    def __init__(self, model: nn.Module, groups: EPGroups, device: torch.device):
+    def __init__(self, model: nn.Module, groups: EPGroups, device: torch.device,
+                 offload: bool = False):
         self.groups = groups
+        self.offload = offload
+        """The optimizer state (fp32 master, AdamW moments) is in host RAM, stepped on the CPU."""
         self.layers: dict[str, ShardedExperts] = {}
         found = [(n, m) for n, m in model.named_modules() if is_experts_module(m)]
         if not found:
@@ -176,9 +187,25 @@ class ExpertParallel:
         self.params: dict[str, nn.Parameter] = {
             f"{name}.{w}": getattr(layer.local, w)
             for name, layer in self.layers.items() for w in EXPERT_WEIGHTS}
-        # fp32 master copies for AdamW when the model trains in bf16 (as DeepSpeed keeps them).
-        self.master = {n: p if p.dtype == torch.float32 else
-                       nn.Parameter(p.detach().float().clone()) for n, p in self.params.items()}
+        # fp32 master copies for AdamW when the model trains in bf16 (as DeepSpeed keeps them);
+        # offloaded, always a host copy (pinned: its update is copied back to the GPU each step).
+        pin = offload and torch.cuda.is_available()
+        if offload:
+            self.master = {n: nn.Parameter(torch.empty(p.shape, dtype=torch.float32,
+                                                       pin_memory=pin).copy_(p.detach()))
+                           for n, p in self.params.items()}
+            # One parameter's gradient at a time (the step goes parameter by parameter): host RAM
+            # holds one fp32 gradient of the largest shard, not one per parameter. A staging
+            # buffer in the training dtype keeps dtype conversions on the host (a GPU-side
+            # conversion would allocate a transient fp32 copy on the GPU).
+            largest = max(p.numel() for p in self.params.values())
+            self._grad32 = torch.empty(largest, dtype=torch.float32, pin_memory=pin)
+            dtype = next(iter(self.params.values())).dtype
+            self._stage = (None if dtype == torch.float32 else
+                           torch.empty(largest, dtype=dtype, pin_memory=pin))
+        else:
+            self.master = {n: p if p.dtype == torch.float32 else
+                           nn.Parameter(p.detach().float().clone()) for n, p in self.params.items()}
         self.optimizer: torch.optim.Optimizer | None = None
         self.grad_norm: torch.Tensor | None = None
 
@@ -197,8 +224,22 @@ class ExpertParallel:
 
     # ---- optimizer -----------------------------------------------------------------------
     def make_optimizer(self, lr: float, betas, weight_decay: float) -> None:
-        self.optimizer = torch.optim.AdamW(list(self.master.values()), lr=lr, betas=tuple(betas),
-                                           weight_decay=weight_decay)
+        params = list(self.master.values())
+        if self.offload:
+            # The optimizer DeepSpeed steps the dense part with under the same offload (the
+            # worker builds it anyway when offloading): AdamW semantics (adamw_mode: decoupled
+            # weight decay, torch's bias corrections and eps placement), one fused SIMD pass
+            # over parameter, gradient and moments per tensor (OpenMP threads). torch's CPU
+            # AdamW runs each elementwise op (decay, two moment updates, sqrt, divide, update)
+            # as its own pass with temporaries (foreach on CPU only groups the calls): several
+            # times the memory traffic, which is what bounds a host step of 17B expert
+            # parameters per rank (V4-Flash at EP 16).
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            self.optimizer = DeepSpeedCPUAdam(params, lr=lr, betas=tuple(betas),
+                                              weight_decay=weight_decay, adamw_mode=True)
+        else:
+            self.optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(betas),
+                                               weight_decay=weight_decay)
 
     def grads_finite(self) -> bool:
         return all(p.grad is None or bool(torch.isfinite(p.grad).all())
@@ -224,17 +265,53 @@ class ExpertParallel:
     def step(self, lr: float, total_norm: float, clip: float) -> None:
         """After DeepSpeed applied its step: clip by the global norm as DeepSpeed does, update."""
         scale = max(((total_norm + 1e-6) / clip) if clip > 0 else 1.0, 1.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.offload:
+            self._step_offloaded(scale)
+            return
         for name, p in self.params.items():
             # In place on fp32 gradients (`float()` is then the tensor itself): for an fp32
             # parameter, its own master.
             self.master[name].grad = p.grad.float().div_(scale)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         self.optimizer.step()
         with torch.no_grad():
             for name, p in self.params.items():
                 if self.master[name] is not p:
                     p.copy_(self.master[name])
+        self.zero_grad()
+
+    @torch.no_grad()
+    def _step_offloaded(self, scale: float) -> None:
+        """Parameter by parameter: gradient to the host in fp32, clipped as `step` clips, the
+        CPU AdamW step (it skips parameters without a gradient: only this one moves), the new
+        master back into the device shard in its dtype."""
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        if isinstance(self.optimizer, DeepSpeedCPUAdam):
+            # Its C++ object carries beta^t from call to call (one multiplication per step) and
+            # computes pow(beta, t) only for a step it has not followed, as after a resume: the
+            # last bit of the bias correction would depend on the history. A fresh object each
+            # step takes pow(beta, t) (beta itself at t = 1) every time: resume stays bitwise.
+            o, g = self.optimizer, self.optimizer.param_groups[0]
+            o.ds_opt_adam.create_adam(o.opt_id, g["lr"], *g["betas"], g["eps"],
+                                      g["weight_decay"], o.adam_w_mode, False)
+        for name, p in self.params.items():
+            m, n = self.master[name], p.numel()
+            g = self._grad32[:n].view_as(m)
+            if self._stage is None:
+                g.copy_(p.grad)
+            else:
+                stage = self._stage[:n].view_as(p)
+                stage.copy_(p.grad)
+                g.copy_(stage)
+            m.grad = g.div_(scale)
+            self.optimizer.step()
+            m.grad = None
+            if self._stage is None:
+                p.copy_(m)
+            else:
+                stage.copy_(m)  # fp32 -> training dtype on the host, then one copy to the device
+                p.copy_(stage)
         self.zero_grad()
 
     def zero_grad(self) -> None:
@@ -244,8 +321,11 @@ class ExpertParallel:
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """This shard's fp32 master weights and optimizer state (host tensors when offloaded;
+        torch.load puts them back where they were saved from). Not copies: save it at once."""
         return {"ep_size": self.groups.ep_size, "ep_rank": self.groups.ep_rank,
-                "master": {n: m.detach().clone() for n, m in self.master.items()},
+                "offload": self.offload,
+                "master": {n: m.detach() for n, m in self.master.items()},
                 "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict, where: Path) -> None:
@@ -253,6 +333,15 @@ class ExpertParallel:
             raise RuntimeError(f"{where}: written with expert_parallel_size {state['ep_size']} "
                                f"(shard {state['ep_rank']}), this run has "
                                f"{self.groups.ep_size} (shard {self.groups.ep_rank})")
+        # torch's AdamW and DeepSpeedCPUAdam keep different state layouts (step as a tensor or
+        # an int, other group keys): resuming across the two is refused, not half converted.
+        # (Files from before offloading existed have no "offload": they were not offloaded.)
+        if state.get("offload", False) != self.offload:
+            raise RuntimeError(f"{where}: written with the experts' optimizer state "
+                               f"{'in host RAM' if state.get('offload') else 'on the device'} "
+                               "(trainer.optimizer_offload "
+                               f"{'cpu/nvme' if state.get('offload') else 'none'}); this run "
+                               f"{'offloads' if self.offload else 'does not offload'} it")
         with torch.no_grad():
             for name, m in self.master.items():
                 m.copy_(state["master"][name])

@@ -170,7 +170,9 @@ class TrainerWorker:
         if self.cfg.expert_parallel_size > 1:
             from rl.trainer import expert_parallel as ep
             groups = ep.make_groups(self.world_size, self.rank, self.cfg.expert_parallel_size)
-            self.ep = ep.ExpertParallel(model, groups, self.device)  # experts leave `model`
+            # Offloaded (cpu and nvme alike: host RAM, expert_parallel's docstring says why).
+            self.ep = ep.ExpertParallel(model, groups, self.device,  # experts leave `model`
+                                        offload=self.cfg.optimizer_offload != "none")
             self.ep.make_optimizer(self.cfg.lr, self.cfg.betas, self.cfg.weight_decay)
         params = [p for p in model.parameters() if p.requires_grad]
         if "offload_optimizer" in config["zero_optimization"]:

@@ -138,14 +138,57 @@ def test_expert_parallel_holds_1_over_ep_of_the_experts_outside_zero(v4_flash):
     no_ep = plan_trainer(gpu_cfg("trainer.zero_stage=3"), v4_flash)
     # ZeRO-3 no longer gathers a whole expert stack: the largest module is a dense one.
     assert line(g, "ZeRO-3 gathered").gpu < line(no_ep, "ZeRO-3 gathered").gpu
-    offload = plan_trainer(gpu_cfg("trainer.zero_stage=3", "trainer.expert_parallel_size=8",
-                                   "trainer.optimizer_offload=cpu"), v4_flash)
-    assert line(offload, "routed experts (1/8").gpu == line(g, "routed experts (1/8").gpu
-    assert any("does not offload them" in n for n in offload.notes)
 
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_expert_parallel_with_offload_keeps_the_experts_optimizer_state_in_host_ram(v4_flash,
+                                                                                   offload):
+    routed = [t.numel for t in v4_flash.tensors if t.routed]
+    on = plan_trainer(gpu_cfg("trainer.zero_stage=3", "trainer.expert_parallel_size=8",
+                              f"trainer.optimizer_offload={offload}", "plan.nvme_gb=100000"),
+                      v4_flash)
+    no_ep = plan_trainer(gpu_cfg("trainer.zero_stage=3", f"trainer.optimizer_offload={offload}",
+                                 "plan.nvme_gb=100000"), v4_flash)
+    dev = plan_trainer(gpu_cfg("trainer.zero_stage=3", "trainer.expert_parallel_size=8"),
+                       v4_flash)
+    # GPU: bf16 weights 2 + gradients 2 per expert parameter held, 1/8 of them per rank.
+    assert line(on, "routed experts (1/8, expert parallel)").gpu == pytest.approx(
+        4 * sum(routed) / 8)
+    assert line(on, "routed experts (1/8, expert parallel)").host == 0
+    # Host RAM per node (8 ranks of 1/8 each): fp32 master 4 + AdamW m, v 8; also with nvme.
+    host = line(on, "routed experts (1/8): fp32 master, AdamW m, v")
+    assert host.host == pytest.approx(12 * sum(routed)) and host.gpu == 0 and host.nvme == 0
+    # The step's fp32 gradient (+ bf16 staging): one tensor, the largest, per rank.
+    assert line(on, "routed experts: fp32 gradient").host == pytest.approx(6 * max(routed))
+    assert on.need("gpu") < dev.need("gpu") - 11 * sum(routed) / 8
+    # NVMe holds ZeRO's dense state only: less than without EP by the experts' 16 B.
+    assert on.need("nvme") <= no_ep.need("nvme") - (16 * sum(routed) if offload == "nvme" else 0)
+    assert any("not NVMe" in n for n in on.notes) == (offload == "nvme")
+    assert not any("stay on the GPU" in n for n in on.notes)
+
+
+def test_v4_flash_3node_fits_with_ep16_not_ep8(v4_flash):
+    # The 3-node config (ZeRO-3, optimizer offload to NVMe): with EP 16 each rank holds 16 of
+    # 256 experts per layer, their bf16 weights and gradients on the GPU, their fp32 state in
+    # host RAM; EP 8 doubles both.
+    v4 = "configs/deepseek_v4_flash_3node.yaml"
+    ep16 = plan_trainer(load_config([v4], ["trainer.expert_parallel_size=16"]), v4_flash)
+    ep8 = plan_trainer(load_config([v4], ["trainer.expert_parallel_size=8"]), v4_flash)
+    assert ep16.fits, ep16.overruns()
+    assert ep8.need("gpu") > ep8.gpu_budget and ep8.need("host") > ep8.host_budget
 
 
 def test_expert_parallel_needs_routed_experts(qwen3_8b):
     g = plan_trainer(gpu_cfg("trainer.expert_parallel_size=2"), qwen3_8b)  # a dense model
     assert not g.fits
     assert "expert_parallel_size 2 does not divide the model's 0 routed experts" in g.problems[0]
+
+
+def test_more_nodes_suggestion_keeps_expert_parallelism_a_divisor_of_the_ranks():
+    from rl.plan import check
+    # Nothing the suggestions change fits, so more nodes are tried: 3 x 8 = 24 ranks is not a
+    # multiple of EP 16 (it raised the config's FieldError), 4 nodes are.
+    report = check(load_config(["configs/deepseek_v4_flash_3node.yaml"], [
+        "trainer.expert_parallel_size=16", "rollout.max_new_tokens=65536",
+        "rollout.max_model_len=67584"])).report
+    assert "Suggestions (trainer)" in report and "cluster.trainer.nodes=3" not in report
