@@ -307,8 +307,8 @@ class TrainerConfig:
     """DeepSpeed `offload_optimizer` device: fp32 master weights, Adam moments and gradient
     partitions in host RAM (`cpu`) or on local NVMe (`nvme`, ZeRO-Infinity). Needs
     zero_stage >= 1. With expert_parallel_size > 1, cpu or nvme also moves the expert shards'
-    fp32 master weights and AdamW moments to host RAM (not NVMe), stepped on the CPU by
-    DeepSpeedCPUAdam."""
+    fp32 master weights and AdamW moments to host RAM (not NVMe), stepped on the CPU by torch's
+    fused AdamW."""
     param_offload: Literal["none", "cpu"] = "none"
     """DeepSpeed `offload_param` (ZeRO-3 only): the bf16 parameter partition lives in host RAM."""
     attention_kernel: Literal["auto", "eager", "fused"] = "auto"

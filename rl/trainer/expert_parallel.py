@@ -25,8 +25,8 @@ clipping and the reported `train/grad_norm` are those of the whole model, as wit
 
 With `offload` (`trainer.optimizer_offload` cpu or nvme) the shards' fp32 master weights and AdamW
 moments live in host RAM (the master pinned when CUDA is present) and the step runs on the CPU:
-one parameter at a time, its gradient comes to a reused host buffer in fp32, DeepSpeedCPUAdam
-updates the master and the moments, and the master goes back into the device shard in the
+one parameter at a time, its gradient comes to a reused host buffer in fp32, torch's fused CPU
+AdamW updates the master and the moments, and the master goes back into the device shard in the
 training dtype. The device keeps only the shards' weights and gradients. NVMe is not used for
 them (DeepSpeed's swapper is built into its ZeRO optimizer): with `nvme` they stay in host RAM
 too, and `launch.plan` counts them there.
@@ -225,21 +225,15 @@ class ExpertParallel:
     # ---- optimizer -----------------------------------------------------------------------
     def make_optimizer(self, lr: float, betas, weight_decay: float) -> None:
         params = list(self.master.values())
-        if self.offload:
-            # The optimizer DeepSpeed steps the dense part with under the same offload (the
-            # worker builds it anyway when offloading): AdamW semantics (adamw_mode: decoupled
-            # weight decay, torch's bias corrections and eps placement), one fused SIMD pass
-            # over parameter, gradient and moments per tensor (OpenMP threads). torch's CPU
-            # AdamW runs each elementwise op (decay, two moment updates, sqrt, divide, update)
-            # as its own pass with temporaries (foreach on CPU only groups the calls): several
-            # times the memory traffic, which is what bounds a host step of 17B expert
-            # parameters per rank (V4-Flash at EP 16).
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-            self.optimizer = DeepSpeedCPUAdam(params, lr=lr, betas=tuple(betas),
-                                              weight_decay=weight_decay, adamw_mode=True)
-        else:
-            self.optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(betas),
-                                               weight_decay=weight_decay)
+        # Offloaded: torch's fused AdamW on the CPU (`_fused_adamw`, one vectorised pass over
+        # parameter, gradient and both moments per tensor; the unfused CPU path runs each
+        # elementwise op as its own pass, several times the memory traffic that bounds a host
+        # step of 17B expert parameters per rank at V4-Flash EP 16). Not DeepSpeedCPUAdam: it is
+        # a C++ extension compiled at first use (minutes), and its object carries beta^t from
+        # call to call, so a resumed run's bias correction differs in the last bit.
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(betas),
+                                           weight_decay=weight_decay,
+                                           fused=True if self.offload else None)
 
     def grads_finite(self) -> bool:
         return all(p.grad is None or bool(torch.isfinite(p.grad).all())
@@ -286,15 +280,6 @@ class ExpertParallel:
         """Parameter by parameter: gradient to the host in fp32, clipped as `step` clips, the
         CPU AdamW step (it skips parameters without a gradient: only this one moves), the new
         master back into the device shard in its dtype."""
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-        if isinstance(self.optimizer, DeepSpeedCPUAdam):
-            # Its C++ object carries beta^t from call to call (one multiplication per step) and
-            # computes pow(beta, t) only for a step it has not followed, as after a resume: the
-            # last bit of the bias correction would depend on the history. A fresh object each
-            # step takes pow(beta, t) (beta itself at t = 1) every time: resume stays bitwise.
-            o, g = self.optimizer, self.optimizer.param_groups[0]
-            o.ds_opt_adam.create_adam(o.opt_id, g["lr"], *g["betas"], g["eps"],
-                                      g["weight_decay"], o.adam_w_mode, False)
         for name, p in self.params.items():
             m, n = self.master[name], p.numel()
             g = self._grad32[:n].view_as(m)
@@ -333,8 +318,9 @@ class ExpertParallel:
             raise RuntimeError(f"{where}: written with expert_parallel_size {state['ep_size']} "
                                f"(shard {state['ep_rank']}), this run has "
                                f"{self.groups.ep_size} (shard {self.groups.ep_rank})")
-        # torch's AdamW and DeepSpeedCPUAdam keep different state layouts (step as a tensor or
-        # an int, other group keys): resuming across the two is refused, not half converted.
+        # Across the two modes the state would load (both are torch AdamW) but the checkpoint's
+        # param groups carry the `fused` flag of the run that wrote it, and fused and unfused
+        # steps round differently: refused, rather than resumed not quite as it would have run.
         # (Files from before offloading existed have no "offload": they were not offloaded.)
         if state.get("offload", False) != self.offload:
             raise RuntimeError(f"{where}: written with the experts' optimizer state "

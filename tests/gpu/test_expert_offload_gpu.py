@@ -31,7 +31,7 @@ def test_offloaded_expert_state_lives_in_pinned_host_memory(model_dirs):
         before = {n: p.detach().clone() for n, p in ep.params.items()}
         ep.step(1e-3, float(ep.grad_norm), clip=0.0)
 
-        assert type(ep.optimizer).__name__ == "DeepSpeedCPUAdam"
+        assert ep.optimizer.param_groups[0]["fused"]  # torch's fused AdamW, CPU kernel
         assert ep._grad32.is_pinned() and ep._stage.is_pinned()
         for name, p in ep.params.items():
             m, state = ep.master[name], ep.optimizer.state[ep.master[name]]

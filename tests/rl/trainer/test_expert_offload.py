@@ -8,15 +8,15 @@ gradient reduction matter, and the clip threshold is half the global norm, so cl
 
 - With the same optimizer code (torch's AdamW in both), the offloaded step is the device step:
   losses, gradient norms and weights after 3 steps are bitwise equal.
-- With the offload's own optimizer (DeepSpeedCPUAdam): the first step's loss and norm are
-  bitwise equal (same weights), later ones and the weights agree within rounding.
+- With the offload's own optimizer (torch's fused CPU AdamW): the first step's loss and norm
+  are bitwise equal (same weights), later ones and the weights agree within rounding.
 - A checkpoint written after step 2 resumes step 3 bitwise, and is refused by a run that does
   not offload.
 
 What a CPU run cannot show: every tensor is on the CPU either way. Placement is asserted on what
 decides it (the `offload` flag, master copies that are not the module's parameters, the
-optimizer being DeepSpeed's CPU one, which asserts that its parameters are on the CPU, and the
-checkpoint layout); `tests/gpu/test_expert_offload_gpu.py` checks the real placement on a GPU.
+optimizer being the fused AdamW, whose CPU kernel runs only on CPU tensors, and the checkpoint
+layout); `tests/gpu/test_expert_offload_gpu.py` checks the real placement on a GPU.
 """
 import io
 
@@ -59,6 +59,7 @@ class EPRank:
             self.ep.optimizer = torch.optim.AdamW(list(self.ep.master.values()), lr=LR,
                                                   betas=BETAS, weight_decay=WD)
         return {"offload": self.ep.offload, "optimizer": type(self.ep.optimizer).__name__,
+                "fused": bool(self.ep.optimizer.param_groups[0].get("fused")),
                 "separate_master": all(self.ep.master[n] is not p
                                        for n, p in self.ep.params.items()),
                 "master_dtypes": {m.dtype for m in self.ep.master.values()},
@@ -120,20 +121,21 @@ def test_offloaded_expert_step_matches_the_device_step_and_resumes_bitwise(tmp_p
         wait_all([a.ready for a in ranks], timeout=300)
         ref = _run(ranks, offload=False, optimizer="torch")
         same = _run(ranks, offload=True, optimizer="torch")
-        ds = _run(ranks, offload=True, optimizer="default")
+        fused = _run(ranks, offload=True, optimizer="default")
         # A checkpoint of offloaded state, loaded by a run that keeps it on the device: refused.
         _all(ranks, "build", False, "default")
         with pytest.raises(Exception, match="trainer.optimizer_offload"):
-            _all(ranks, "load", ds["ckpt"])
+            _all(ranks, "load", fused["ckpt"])
     finally:
         for a in ranks:
             a.close()
 
     assert ref["placement"]["optimizer"] == "AdamW" and not ref["placement"]["offload"]
-    assert ds["placement"] == {"offload": True, "optimizer": "DeepSpeedCPUAdam",
+    assert not ref["placement"]["fused"] and not same["placement"]["fused"]
+    assert fused["placement"] == {"offload": True, "optimizer": "AdamW", "fused": True,
                                "separate_master": True, "master_dtypes": {torch.float32},
                                "param_dtypes": {torch.bfloat16}}
-    state = torch.load(io.BytesIO(ds["ckpt"][0]), weights_only=False)
+    state = torch.load(io.BytesIO(fused["ckpt"][0]), weights_only=False)
     assert state["offload"] is True
     assert all(t.dtype == torch.float32 for t in state["master"].values())
     assert {k for s in state["optimizer"]["state"].values() for k in s} == {
@@ -146,11 +148,11 @@ def test_offloaded_expert_step_matches_the_device_step_and_resumes_bitwise(tmp_p
     assert same["steps"] == ref["steps"]
     for n, w in ref["weights"].items():
         assert torch.equal(same["weights"][n], w), n
-    # DeepSpeedCPUAdam: the same AdamW (decoupled weight decay), its own rounding. Step 1 runs
+    # The fused CPU AdamW: the same AdamW (decoupled weight decay), its own rounding. Step 1 runs
     # on the same weights; after it, rounding makes them drift apart a little (below).
-    assert ds["steps"][0][0] == ref["steps"][0][0] and ds["steps"][1][0] == ref["steps"][1][0]
+    assert fused["steps"][0][0] == ref["steps"][0][0] and fused["steps"][1][0] == ref["steps"][1][0]
     # Measured: losses within 5.1e-5 (relative), gradient norms within 2.9e-4.
-    for got, want in zip(ds["steps"], ref["steps"]):
+    for got, want in zip(fused["steps"], ref["steps"]):
         for (loss, norm), (loss_r, norm_r) in zip(got, want):
             assert loss == pytest.approx(loss_r, rel=5e-4)
             assert norm == pytest.approx(norm_r, rel=3e-3)
@@ -159,10 +161,10 @@ def test_offloaded_expert_step_matches_the_device_step_and_resumes_bitwise(tmp_p
     # weights differ by under 1% of how far the weights moved (measured: 0.1-0.2%).
     for n, w in ref["weights"].items():
         moved = (w.float() - ref["initial"][n].float()).abs().mean()
-        diff = (ds["weights"][n].float() - w.float()).abs().mean()
+        diff = (fused["weights"][n].float() - w.float()).abs().mean()
         assert diff < 0.01 * moved, n
     # Resume: step 3 from the step-2 checkpoint, bitwise, for each optimizer.
-    for name, run in (("device", ref), ("offload torch", same), ("offload ds", ds)):
+    for name, run in (("device", ref), ("offload torch", same), ("offload fused", fused)):
         assert run["resumed_step3"] == [s[2:] for s in run["steps"]], name
         for n, w in run["weights"].items():
             assert torch.equal(run["resumed_weights"][n], w), (name, n)
