@@ -33,7 +33,9 @@ def _extra(parser) -> None:
 
 SMOKE = ["num_steps=4", "algorithm.prompts_per_step=8", "rollout.n_samples=4",
          "rollout.max_new_tokens=6", "eval.every=0", "eval.num_prompts=16", "eval.pass_k=2",
-         "checkpoint.every=0", "trainer.num_ranks=1", "trainer.zero_stage=2"]
+         "checkpoint.every=0", "trainer.num_ranks=1", "trainer.zero_stage=2",
+         # The smoke checks the bench's own code: the cheap engine, no SFT warm start.
+         "rollout.engine=hf", "model.warm_start=false"]
 
 
 def _median_step(history: list[dict], key: str = "time/step") -> float:
