@@ -20,7 +20,8 @@ BASE_OVERRIDES = [
     "sync.check_logprobs=true", "sync.timeout_s=120", "trainer.warmup_steps=2",
     "sft.steps=300",  # the fully trained warm start (the demo's is deliberately short)
     # The harder task of the first demo config: answers of 1-3 characters, so short_answer has room.
-    "data.synthetic.max_value=99", "data.synthetic.num_train=4000",
+    "data.synthetic.max_value=99", "data.synthetic.num_operands=2", "data.synthetic.num_train=4000",
+    "data.synthetic.num_eval=200",
 ]
 COMPARED = ("reward/mean", "reward/std", "train/loss", "train/kl", "train/grad_norm", "train/entropy",
             "train/tis_ratio_mean", "rollout/response_length", "eval/pass1")
