@@ -78,6 +78,21 @@ class CountingWorker(TrainerWorker):
                              if self.device.type == "cuda" else None),
                 "loss": stats["train/loss"], "grad_norm": stats["train/grad_norm"]}
 
+    def profiled_step(self, batch, step: int, path: str) -> None:
+        """One step under torch.profiler; rank 0 writes the operators and kernels that took the
+        most device time (self time, so nested operators are not counted twice) to `path`."""
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                          if self.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            self.train_step(batch, step)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+        if self.rank == 0:
+            key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            Path(path).write_text(prof.key_averages().table(sort_by=key, row_limit=45,
+                                                            max_name_column_width=70))
+
 
 def v4_model_dir(gpu: bool, layers: int, experts: int) -> tuple[str, dict]:
     """A saved random V4 model directory and its parameter counts."""
@@ -139,6 +154,11 @@ def run(model_dir: str, ep: int, gpu: bool, args, batch) -> dict:
         wait_all([a.ready for a in ranks], timeout=1200)
         steps = [wait_all([a.call("measured_step", batch, s) for a in ranks], timeout=1200)
                  for s in range((args.steps if gpu else 1) + 1)]
+        if args.profile:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            path = str(Path(args.out) / f"moe_actor_profile_ep{ep}.txt")
+            wait_all([a.call("profiled_step", batch, len(steps), path) for a in ranks],
+                     timeout=1200)
     finally:
         for a in ranks:
             a.close()
@@ -158,7 +178,11 @@ def main() -> None:
         p.add_argument("--prompt", type=int, default=512),
         p.add_argument("--response", type=int, default=1536),
         p.add_argument("--micro-batch-tokens", type=int, default=4096),
-        p.add_argument("--steps", type=int, default=3)))
+        p.add_argument("--steps", type=int, default=3),
+        p.add_argument("--ep", default="1,2", help="expert-parallel sizes to run, comma list"),
+        p.add_argument("--profile", action="store_true",
+                       help="after the timed steps, one step under torch.profiler per setup: "
+                            "<out>/moe_actor_profile_ep<N>.txt")))
     gpu = not args.smoke
     if gpu and torch.cuda.device_count() < 2:
         raise SystemExit("bench.moe_actor needs 2 GPUs (or --smoke on CPU)")
@@ -178,7 +202,7 @@ def main() -> None:
     active = total - counts["routed"] * (1 - counts["top_k"] / counts["experts"]) - counts["embed"]
     tokens = seqs * (prompt + response)
     rows = []
-    for ep in (1, 2):
+    for ep in (int(e) for e in args.ep.split(",")):
         r = run(model_dir, ep, gpu, args, batch)
         flops = 6 * active * tokens
         rows.append({

@@ -3,7 +3,8 @@
 # benchmarks on a 2 x H200 machine without DeepSpeed installed (it travels as wheels in .whl/).
 #   bash bench/run_gpu.sh [sections...]      sections: tests_native rollout sync tests_sync train
 #                                            v4attn (one H200: V4 attention test + benchmark)
-#                                            moe_actor (2 H200: V4-shaped actor, EP=2 vs ZeRO-3)
+#                                            moe_actor (2 H200: V4-shaped actor, EP=2 vs ZeRO-3;
+#                                            MOE_ACTOR_ARGS="--ep 2 --profile" adds a profile)
 #   (fp8gemm: the decode GEMMs, FP8 paths vs BF16 vs the roofline; issue 16's measurement)
 #   (r3: routing replay, native FP8 engine vs BF16 trainer model; not in the default list)
 #   (tests_sync_only: the sync test without the RL step)
@@ -67,7 +68,7 @@ for s in $sections; do
         v4attn) run tests_v4attn 200 python3 -m pytest -q -p no:cacheprovider -s \
                     tests/gpu/test_v4_attention_gpu.py
                 run v4_attention 300 python3 -m bench.v4_attention --out "$OUT" ;;
-        moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ;;
+        moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
         fp8gemm) run fp8_gemm 150 python3 -m bench.fp8_gemm --out "$OUT" ;;
         profile) run decode_profile 420 python3 -m bench.decode_profile --out "$OUT"
                  # each decode attention kernel alone (split: its split and combine kernels)
