@@ -67,9 +67,6 @@ MISSES = {
     "cache should save ~45% of the bytes; measured 8.28 s vs 8.38 s with a BF16 cache",
     "rollout Qwen3-0.6B native bf16 + fp8 kv b256 n1024": "same: 7.03 s vs 7.12 s with a BF16 "
     "cache",
-    "moe actor step ZeRO-3, no EP (1 layer(s), 16 experts, 4,096 tokens)": "one measured step "
-    "of a 1-layer cut at 4% MFU: launch- and latency-bound, as the run's notes say",
-    "moe actor step ZeRO-3, EP=2 (1 layer(s), 16 experts, 4,096 tokens)": "same",
     "trainer forward Qwen3-MoE-small HF BF16 scoring, 16,384 tokens": "plan.mfu is fitted on a "
     "dense model; HF's MoE forward in 8-row chunks (256 tokens per expert) reaches ~8% of peak",
 }
