@@ -180,10 +180,14 @@ if triton is not None:
     @triton.jit
     def _attn_blocks(q, kc_ptr, vc_ptr, ke_ptr, ve_ptr, base, e_base, start, end, lo, hi,
                      sm_scale, GP: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr,
-                     FP8_KV: tl.constexpr):
+                     FP8_KV: tl.constexpr, F16_DOT: tl.constexpr):
         """Online softmax of q (GP, D) over cache slots [max(lo, start), min(hi, end)) walked in
         BLOCK_L blocks from lo (a block boundary): (running max m, sum l, unnormalised acc), fp32.
-        An empty range returns (-inf, 0, 0): the split combine weighs it 0."""
+        An empty range returns (-inf, 0, 0): the split combine weighs it 0.
+        F16_DOT (FP8 caches only): e4m3 -> fp16 (one conversion instruction per two values on
+        Hopper, where e4m3 -> bf16 takes several) and both dots in fp16, q converted once."""
+        if F16_DOT:
+            q = q.to(tl.float16)
         d = tl.arange(0, D)
         m = tl.full((GP,), float("-inf"), tl.float32)
         l_sum = tl.zeros((GP,), tl.float32)
@@ -221,7 +225,7 @@ if triton is not None:
     def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, o_ptr, start_ptr, pos_ptr,
                             sm_scale, stride_cb, stride_ch, stride_eb, stride_eh,
                             G: tl.constexpr, GP: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
-                            BLOCK_L: tl.constexpr, FP8_KV: tl.constexpr):
+                            BLOCK_L: tl.constexpr, FP8_KV: tl.constexpr, F16_DOT: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         hk = tl.program_id(1)
         start = tl.load(start_ptr + b)
@@ -233,7 +237,7 @@ if triton is not None:
         m, l_sum, acc = _attn_blocks(q, kc_ptr, vc_ptr, ke_ptr, ve_ptr,
                                      b * stride_cb + hk * stride_ch, b * stride_eb + hk * stride_eh,
                                      start, end, (start // BLOCK_L) * BLOCK_L, end, sm_scale,
-                                     GP, D, BLOCK_L, FP8_KV)
+                                     GP, D, BLOCK_L, FP8_KV, F16_DOT)
         out = acc / l_sum[:, None]
         o_rows = o_ptr + (b * NH + hk * G + g)[:, None] * D + d[None, :]
         tl.store(o_rows, out.to(o_ptr.dtype.element_ty), mask=g[:, None] < G)
@@ -243,7 +247,7 @@ if triton is not None:
                                   start_ptr, pos_ptr, sm_scale, stride_cb, stride_ch, stride_eb,
                                   stride_eh, S: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                                   NH: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr,
-                                  FP8_KV: tl.constexpr):
+                                  FP8_KV: tl.constexpr, F16_DOT: tl.constexpr):
         """Split `sid` of S of one (row, kv head): the row's blocks [start // BLOCK_L, pos //
         BLOCK_L] dealt out evenly and contiguously (counts differ by at most one; splits past
         the block count get none). Writes its partial (m, l, acc) in fp32."""
@@ -262,7 +266,8 @@ if triton is not None:
         q = tl.load(q_rows, mask=g[:, None] < G, other=0.0)
         m, l_sum, acc = _attn_blocks(q, kc_ptr, vc_ptr, ke_ptr, ve_ptr,
                                      b * stride_cb + hk * stride_ch, b * stride_eb + hk * stride_eh,
-                                     start, end, lo, hi, sm_scale, GP, D, BLOCK_L, FP8_KV)
+                                     start, end, lo, hi, sm_scale, GP, D, BLOCK_L, FP8_KV,
+                                     F16_DOT)
         part = (b * NH + hk * G + g) * S + sid          # partials laid out (B, NH, S[, D])
         tl.store(m_ptr + part, m, mask=g < G)
         tl.store(l_ptr + part, l_sum, mask=g < G)
@@ -416,14 +421,19 @@ def decode_splits(rows: int, kv_heads: int, context: int, block_l: int = 64,
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      start: torch.Tensor, pos: torch.Tensor, sm_scale: float,
                      impl: str = "torch", block_l: int = 64, k_exp: torch.Tensor | None = None,
-                     v_exp: torch.Tensor | None = None, splits: int | None = 1) -> torch.Tensor:
+                     v_exp: torch.Tensor | None = None, splits: int | None = 1,
+                     f16_dot: bool = False, num_warps: int | None = None,
+                     num_stages: int | None = None) -> torch.Tensor:
     """(B, NH, D) attention output of one query per row over slots [start[b], pos]; FP8 caches
     with their scale exponents (see `qk_norm_rope_cache`).
 
     `splits` (triton): 1 = one program per (row, kv head) walks the whole context; S > 1 =
     split-K ("flash-decoding"): S programs per (row, kv head) each over a contiguous share of
     the context's blocks, then a combine kernel; None = `decode_splits` for this batch and the
-    cache length. The torch reference ignores it."""
+    cache length. The torch reference ignores it.
+    `f16_dot` (FP8 caches): dequantise to fp16 and run the dots in fp16 instead of q's dtype
+    (q must fit fp16's range). `num_warps` / `num_stages`: Triton's launch options (None: its
+    defaults); `bench.decode_attention` sweeps them."""
     if impl == "torch":
         return _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp, v_exp)
     b, nh, d = q.shape
@@ -436,7 +446,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
     ke, ve = (k_exp, v_exp) if fp8 else (kc, vc)
     strides = (k_cache.stride(0), k_cache.stride(1), ke.stride(0), ke.stride(1))
-    consts = dict(G=g, GP=max(16, _next_pow2(g)), NH=nh, D=d, BLOCK_L=block_l, FP8_KV=fp8)
+    consts = dict(G=g, GP=max(16, _next_pow2(g)), NH=nh, D=d, BLOCK_L=block_l, FP8_KV=fp8,
+                  F16_DOT=fp8 and f16_dot)
+    consts.update({k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages))
+                   if v is not None})
     if splits == 1:
         _decode_attn_kernel[(b, nkv)](q, kc, vc, ke, ve, out, start, pos, sm_scale, *strides,
                                       **consts)

@@ -118,11 +118,12 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
               dequantize_kv(x8_ref[slot], e_ref[slot]), 2e-3 * tl_scale)
     a0 = K.decode_attention(q8, f8_ref[0][0], f8_ref[1][0], start, pos8, d ** -0.5, "torch",
                             k_exp=f8_ref[0][1], v_exp=f8_ref[1][1])
-    for block_l, splits in ((16, 1), (64, 1), (16, 2), (16, 4)):
+    for block_l, splits, f16 in ((16, 1, False), (64, 1, False), (16, 2, False), (16, 4, False),
+                                 (16, 1, True), (64, 2, True)):
         a = K.decode_attention(q8, f8_ref[0][0], f8_ref[1][0], start, pos8, d ** -0.5, "triton",
-                               block_l, f8_ref[0][1], f8_ref[1][1], splits=splits)
+                               block_l, f8_ref[0][1], f8_ref[1][1], splits=splits, f16_dot=f16)
         name = "fp8 kv decode attention" if splits == 1 else f"fp8 kv split {splits}"
-        close(f"{name} block_l={block_l}", a, a0, 5e-3 * tl_scale)
+        close(f"{name} block_l={block_l} f16_dot={f16}", a, a0, 5e-3 * tl_scale)
     f8_ref[1][0].view(torch.uint8)[1, :, 2] = 0x7F   # e4m3 NaN in a slot before start[1]
     for splits in (1, 2):
         a = K.decode_attention(q8, f8_ref[0][0], f8_ref[1][0], start, pos8, d ** -0.5, "triton",

@@ -1,0 +1,107 @@
+"""The native engine's decode attention kernel alone (issue 16): BF16 vs FP8 KV cache, over its
+tile (BLOCK_L), Triton's warps, the FP8 dot's dtype (bf16 after e4m3 -> bf16, or fp16 after
+e4m3 -> fp16) and split-K, against the copy bandwidth measured in the same run.
+
+    python -m bench.decode_attention [--shapes 256x1024,64x1024,16x4096]
+
+Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128), one query per row over a
+`ctx`-slot cache (rows x ctx), random q and caches; the FP8 cache is `quantize_kv` of the BF16
+one. Per variant: microseconds per call (`triton.testing.do_bench`, median), the KV bytes one
+call reads (K and V, plus the FP8 scale exponents) / that time, as a fraction of the measured
+copy bandwidth, and the largest absolute difference from the fp32 torch reference over the same
+cache. `default` marks what the engine runs today (BLOCK_L 64, Triton's default warps, bf16 dot,
+one split). `--smoke`: tiny shapes in fp32 under the Triton interpreter on the CPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from bench.common import device_info, measure_copy_bandwidth, parse_args, write_results
+
+NH, NKV, D = 16, 8, 128
+
+
+def variants(rows: int, ctx: int) -> list[dict]:
+    """The kernel settings compared at one shape."""
+    from rl.rollout.native.kernels import decode_splits
+    out = [dict(kv="bf16", block_l=b, num_warps=None, f16_dot=False, splits=1)
+           for b in (32, 64, 128)]
+    for f16 in (False, True):
+        for b in (64, 128):
+            for w in (None, 8):
+                out.append(dict(kv="fp8", block_l=b, num_warps=w, f16_dot=f16, splits=1))
+    auto = decode_splits(rows, NKV, ctx, 64)
+    if auto > 1:
+        out += [dict(kv=kv, block_l=64, num_warps=None, f16_dot=f16, splits=auto)
+                for kv, f16 in (("bf16", False), ("fp8", False), ("fp8", True))]
+    return out
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
+        "--shapes", default="256x1024,64x1024,16x4096", help="rows x context, comma list"))
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    from rl.rollout.native import kernels as K
+    from rl.rollout.native.kvcache import quantize_kv
+    gpu = not args.smoke
+    device = "cuda" if gpu else "cpu"
+    shapes = [(4, 64)] if args.smoke else [tuple(int(x) for x in s.split("x"))
+                                            for s in args.shapes.split(",")]
+    bw = measure_copy_bandwidth(device, 2.0) * 1e9 if gpu else None
+    if gpu:
+        from triton.testing import do_bench
+    rows_out = []
+    for rows, ctx in shapes:
+        g = torch.Generator(device=device).manual_seed(0)
+        dt = torch.bfloat16 if gpu else torch.float32   # the interpreter has no bf16 dot
+        q = torch.randn(rows, NH, D, device=device, generator=g).to(dt)
+        kc = torch.randn(rows, NKV, ctx, D, device=device, generator=g).to(dt)
+        vc = torch.randn(rows, NKV, ctx, D, device=device, generator=g).to(dt)
+        k8, ke = quantize_kv(kc)
+        v8, ve = quantize_kv(vc)
+        start = torch.zeros(rows, dtype=torch.int32, device=device)
+        pos = torch.tensor([ctx - 1], dtype=torch.int32, device=device)
+        scale = D ** -0.5
+        ref = {"bf16": K.decode_attention(q, kc, vc, start, pos, scale, "torch").float(),
+               "fp8": K.decode_attention(q, k8, v8, start, pos, scale, "torch", k_exp=ke,
+                                         v_exp=ve).float()}
+        kv_bytes = {"bf16": 2 * rows * NKV * ctx * D * 2,
+                    "fp8": 2 * rows * NKV * ctx * (D + 1)}
+        for v in variants(rows, ctx):
+            caches = (kc, vc, None, None) if v["kv"] == "bf16" else (k8, v8, ke, ve)
+
+            def call():
+                return K.decode_attention(q, caches[0], caches[1], start, pos, scale, "triton",
+                                          v["block_l"], caches[2], caches[3],
+                                          splits=v["splits"], f16_dot=v["f16_dot"],
+                                          num_warps=v["num_warps"])
+            err = (call().float() - ref[v["kv"]]).abs().max().item()
+            us = do_bench(call, warmup=25, rep=200) * 1e3 if gpu else None
+            default = (v["block_l"] == 64 and v["num_warps"] is None and not v["f16_dot"]
+                       and v["splits"] == 1)
+            rows_out.append({
+                "shape": f"{rows} x {ctx}", "kv": v["kv"], "block_l": v["block_l"],
+                "num_warps": v["num_warps"] or "default", "dot": "fp16" if v["f16_dot"] else
+                "bf16", "splits": v["splits"], "engine_default": "yes" if default else "",
+                "us": us, "GBps": kv_bytes[v["kv"]] / us / 1e3 if us else None,
+                "of_copy_bw": kv_bytes[v["kv"]] / us * 1e6 / bw if us else None,
+                "max_abs_err": err})
+            print(rows_out[-1], flush=True)
+    notes = [f"Qwen3-0.6B attention: {NH} query heads, {NKV} KV heads, head_dim {D}; one query "
+             "per row over the whole cache; random bf16 q and caches, FP8 = quantize_kv of them",
+             "us: triton.testing.do_bench median (25 warm-up, 200 ms of repetitions); GBps: KV "
+             "bytes one call reads (K + V, FP8: + one scale exponent byte per slot and head) / us",
+             f"copy bandwidth measured in this run: {bw / 1e9:,.0f} GB/s (read + write)" if bw
+             else "smoke: Triton interpreter on CPU, no timing",
+             "max_abs_err: against the fp32 torch reference over the same (BF16 or FP8) cache",
+             "engine_default: what the native engine runs today (BLOCK_L 64, Triton's default "
+             "warps, bf16 dot, rollout.decode_attention single)"]
+    write_results("decode_attention" + ("_smoke" if args.smoke else ""), args.out,
+                  device_info(), rows_out, list(rows_out[0]), notes)
+
+
+if __name__ == "__main__":
+    main()
