@@ -222,6 +222,10 @@ class RolloutConfig:
     cpu_kvcache_gb: float = 1.0
     """vLLM on CPU: KV-cache size [GiB]; the VLLM_CPU_KVCACHE_SPACE variable overrides it, with a
     warning."""
+    torch_threads: int | None = None
+    """torch threads (and OMP_NUM_THREADS) of each engine process; null = trainer.torch_threads.
+    On a CPU machine where the trainer ranks wait while the engine generates (on-policy), the
+    engine may take the cores they leave idle."""
     seed: int = 1234
     """Seed of the rollout sampling (>= 0): each step's sampling seed is a pure function of it
     and the step (`rl.pipeline.rollout_seed`); vLLM's engine seed too."""
@@ -254,6 +258,9 @@ class RolloutConfig:
                "checkpoint)")
         _positive(self, "num_engines", "tensor_parallel_size", "n_samples", "max_new_tokens",
                   "max_model_len", "cpu_kvcache_gb", "max_batch_size")
+        _check(self.torch_threads is None or (isinstance(self.torch_threads, int)
+                                              and self.torch_threads > 0),
+               "torch_threads", self.torch_threads, "null or an integer > 0")
         if self.fp8_keep_bf16 is not None:
             _check(all(isinstance(p, str) and p and p != "re:" for p in self.fp8_keep_bf16),
                    "fp8_keep_bf16", self.fp8_keep_bf16, "null or a list of non-empty patterns")

@@ -13,6 +13,8 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
+
 from rl.cluster.actors import ActorDied, wait_all  # noqa: F401 - ActorDied: re-exported
 from rl.cluster.facades import Generation, RolloutGroup, TrainerGroup  # noqa: F401
 from rl.cluster.groups import (GroupSpec, bundle_address, bundle_nodes, free_port, make_layout,
@@ -41,10 +43,12 @@ class EngineHost:
     """Builds the configured engine inside the actor process and forwards the driver's calls."""
 
     def __init__(self, kind: str, model_dir: str, cfg, dtype: str, device: str, index: int,
-                 verify: bool = False):
+                 verify: bool = False, torch_threads: int | None = None):
         from rl.rollout import create_engine
         from rl.signals import shield_worker
         shield_worker()
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
         self.index, self.verify = index, verify
         self.engine = create_engine(kind, model_dir, cfg, dtype=dtype, device=device)
         self.busy_s = 0.0
@@ -83,6 +87,10 @@ class EngineHost:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def threads(self) -> tuple[int, str | None]:
+        """(torch's intra-op threads, OMP_NUM_THREADS) of this engine process."""
+        return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -168,11 +176,17 @@ class Runtime:
     def _engine_args(self, i: int):
         dtype = "float32" if self.placement.engine_device == "cpu" else "bfloat16"
         return ((self.cfg.rollout.engine, self.model_dir, self.cfg.rollout, dtype,
-                 self.placement.engine_device, i, self.cfg.sync.verify), {})
+                 self.placement.engine_device, i, self.cfg.sync.verify, self._threads("rollout")),
+                {})
 
-    def _env(self) -> dict[str, str]:
+    def _threads(self, group: str) -> int:
+        """torch / OpenMP threads of each process of `group` (trainer or rollout)."""
+        rollout = self.cfg.rollout.torch_threads
+        return rollout if group == "rollout" and rollout else self.cfg.trainer.torch_threads
+
+    def _env(self, group: str = "trainer") -> dict[str, str]:
         env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", ""),
-               "OMP_NUM_THREADS": str(self.cfg.trainer.torch_threads),
+               "OMP_NUM_THREADS": str(self._threads(group)),
                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
                # fault-injection hooks (tests) reach the workers
@@ -180,7 +194,7 @@ class Runtime:
         return {k: v for k, v in env.items() if v}
 
     def _start(self, spec: GroupSpec, cls, args_for, on_placed=None):
-        env = self._env()
+        env = self._env("rollout" if cls is EngineHost else "trainer")
         if self.placement.backend == "ray":
             actors, pg = start_ray_group(spec, cls, args_for,
                                          self.cfg.cluster.placement_timeout_s, env,
@@ -224,11 +238,12 @@ class Runtime:
             from rl.cluster.groups import start_ray_actor
             args, kwargs = self._engine_args(i)
             new = start_ray_actor(self._pgs[1], i, self.rollout_spec, EngineHost, args, kwargs,
-                                  self._env(), f"rollout-{i}-{os.getpid()}-{time.time_ns() % 10**9}")
+                                  self._env("rollout"),
+                                  f"rollout-{i}-{os.getpid()}-{time.time_ns() % 10**9}")
             new.call("pid").result(timeout=self.cfg.cluster.placement_timeout_s)
             return new
         (new,) = start_proc_group(GroupSpec(self.rollout_spec.name, 1, self.rollout_spec.bundle),
-                                  EngineHost, lambda _k: self._engine_args(i), self._env())
+                                  EngineHost, lambda _k: self._engine_args(i), self._env("rollout"))
         new.ready.result()
         return new
 
