@@ -15,7 +15,8 @@ log = logging.getLogger(__name__)
 # Keys that may change between a run and its resume without changing what it computes.
 RESUME_IGNORED = ("name", "output_dir", "num_steps", "eval", "logging", "checkpoint", "cluster",
                   "sync.timeout_s", "sync.bucket_mb", "sync.verify", "trainer.torch_threads",
-                  "rollout.torch_threads", "rollout.cpu_kvcache_gb", "trainer.nvme_path", "sft", "plan")
+                  "rollout.torch_threads", "rollout.cpu_kvcache_gb", "trainer.nvme_path", "sft",
+                  "plan")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
