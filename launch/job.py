@@ -59,11 +59,16 @@ def summary(cfg: Config, result) -> str:
     fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     steps = ", ".join(map(str, rec["final_mean_steps"]))
     gain = "" if rec["gain"] is None else f" ({100 * rec['gain']:+.1f} points)"
+    heldout = (f"held-out greedy accuracy ({rec['eval_problems']} problems): warm start "
+               f"{fmt(rec['warm_start_accuracy'])}")
+    if steps:
+        accuracy = [f"{heldout} -> mean of the last {len(rec['final_mean_steps'])} evals "
+                    f"{fmt(rec['final_mean_accuracy'])}{gain}",
+                    f"  evals averaged: steps {steps}; last eval {fmt(rec['final_accuracy'])}"]
+    else:  # stopped before the first evaluation after the warm start
+        accuracy = [f"{heldout}; no evaluation since"]
     lines = ["", "=" * 72, f"run {cfg.name}: {result.status} at step {result.step}/{cfg.num_steps}",
-             f"held-out greedy accuracy ({rec['eval_problems']} problems): warm start "
-             f"{fmt(rec['warm_start_accuracy'])} -> mean of the last "
-             f"{len(rec['final_mean_steps'])} evals {fmt(rec['final_mean_accuracy'])}{gain}",
-             f"  evals averaged: steps {steps or 'none'}; last eval {fmt(rec['final_accuracy'])}",
+             *accuracy,
              f"run directory:  {run_dir}  (summary.json)",
              f"checkpoints:    {run_dir / 'checkpoints'}",
              f"logs:           {run_dir / 'driver.log'} (driver)"

@@ -45,7 +45,13 @@ def test_summary_reports_gain_of_the_mean_over_warm_start():
     assert "steps 200, 225, 250; last eval 0.520" in text
     empty = RunResult(status="stopped", step=0, run_dir="/tmp/x")
     assert summary_record(cfg, empty)["gain"] is None
-    assert "n/a" in summary(cfg, empty)
+    assert "warm start n/a; no evaluation since" in summary(cfg, empty)
+    # stopped at step 3 of a run evaluating every 4: the warm start and nothing averaged
+    early = RunResult(status="stopped", step=3, run_dir="/tmp/x", warm_start_accuracy=0.062,
+                      final_accuracy=0.062, eval_problems=16)
+    text = summary(cfg, early)
+    assert "(16 problems): warm start 0.062; no evaluation since" in text
+    assert "mean of the last" not in text and "evals averaged" not in text
 
 
 def test_summary_counts_the_problems_really_evaluated():
