@@ -184,7 +184,7 @@ class Runtime:
         rollout = self.cfg.rollout.torch_threads
         return rollout if group == "rollout" and rollout else self.cfg.trainer.torch_threads
 
-    def _env(self, group: str = "trainer") -> dict[str, str]:
+    def _env(self, group: str) -> dict[str, str]:
         env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", ""),
                "OMP_NUM_THREADS": str(self._threads(group)),
                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
@@ -194,7 +194,7 @@ class Runtime:
         return {k: v for k, v in env.items() if v}
 
     def _start(self, spec: GroupSpec, cls, args_for, on_placed=None):
-        env = self._env("rollout" if cls is EngineHost else "trainer")
+        env = self._env(spec.name)
         if self.placement.backend == "ray":
             actors, pg = start_ray_group(spec, cls, args_for,
                                          self.cfg.cluster.placement_timeout_s, env,
