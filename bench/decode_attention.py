@@ -19,6 +19,7 @@ import os
 import torch
 
 from bench.common import device_info, measure_copy_bandwidth, parse_args, write_results
+from rl.plan.kv import KV_FP8_SCALE_BYTES, gqa_bytes_per_token
 
 NH, NKV, D = 16, 8, 128
 
@@ -68,8 +69,8 @@ def main() -> None:
         ref = {"bf16": K.decode_attention(q, kc, vc, start, pos, scale, "torch").float(),
                "fp8": K.decode_attention(q, k8, v8, start, pos, scale, "torch", k_exp=ke,
                                          v_exp=ve).float()}
-        kv_bytes = {"bf16": 2 * rows * NKV * ctx * D * 2,
-                    "fp8": 2 * rows * NKV * ctx * (D + 1)}
+        kv_bytes = {"bf16": rows * ctx * gqa_bytes_per_token(1, NKV, D, 2),
+                    "fp8": rows * ctx * gqa_bytes_per_token(1, NKV, D, 1, KV_FP8_SCALE_BYTES)}
         for v in variants(rows, ctx):
             caches = (kc, vc, None, None) if v["kv"] == "bf16" else (k8, v8, ke, ve)
 
