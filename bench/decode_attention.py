@@ -9,8 +9,8 @@ Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128), one query per
 one. Per variant: microseconds per call (`triton.testing.do_bench`, median), the KV bytes one
 call reads (K and V, plus the FP8 scale exponents) / that time, as a fraction of the measured
 copy bandwidth, and the largest absolute difference from the fp32 torch reference over the same
-cache. `default` marks what the engine runs today (BLOCK_L 64, Triton's default warps, bf16 dot,
-one split). `--smoke`: tiny shapes in fp32 under the Triton interpreter on the CPU.
+cache. `engine_default` marks what the engine runs (`rl.rollout.native.model.attention_settings`).
+`--smoke`: tiny shapes in fp32 under the Triton interpreter on the CPU.
 """
 from __future__ import annotations
 
@@ -38,6 +38,14 @@ def variants(rows: int, ctx: int) -> list[dict]:
         out += [dict(kv=kv, block_l=64, num_warps=None, f16_dot=f16, splits=auto)
                 for kv, f16 in (("bf16", False), ("fp8", False), ("fp8", True))]
     return out
+
+
+def engine_variant(kv: str, splits: int) -> dict:
+    """The variant the native engine runs (`rl.rollout.native.model.attention_settings`)."""
+    from rl.rollout.native.model import attention_settings
+    settings = dict(block_l=64, num_warps=None, f16_dot=False)
+    settings.update(attention_settings(kv == "fp8", splits))
+    return dict(kv=kv, splits=splits, **settings)
 
 
 def main() -> None:
@@ -81,8 +89,7 @@ def main() -> None:
                                           num_warps=v["num_warps"])
             err = (call().float() - ref[v["kv"]]).abs().max().item()
             us = do_bench(call, warmup=25, rep=200) * 1e3 if gpu else None
-            default = (v["block_l"] == 64 and v["num_warps"] is None and not v["f16_dot"]
-                       and v["splits"] == 1)
+            default = v == engine_variant(v["kv"], v["splits"])
             rows_out.append({
                 "shape": f"{rows} x {ctx}", "kv": v["kv"], "block_l": v["block_l"],
                 "num_warps": v["num_warps"] or "default", "dot": "fp16" if v["f16_dot"] else
@@ -98,8 +105,8 @@ def main() -> None:
              f"copy bandwidth measured in this run: {bw / 1e9:,.0f} GB/s (read + write)" if bw
              else "smoke: Triton interpreter on CPU, no timing",
              "max_abs_err: against the fp32 torch reference over the same (BF16 or FP8) cache",
-             "engine_default: what the native engine runs today (BLOCK_L 64, Triton's default "
-             "warps, bf16 dot, rollout.decode_attention single)"]
+             "engine_default: what the native engine runs at that cache dtype and split count "
+             "(rl.rollout.native.model.attention_settings)"]
     write_results("decode_attention" + ("_smoke" if args.smoke else ""), args.out,
                   device_info(), rows_out, list(rows_out[0]), notes)
 

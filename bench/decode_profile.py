@@ -14,8 +14,10 @@ generation, where the KV cache dominates the bytes). Per configuration:
 - wall time per step, GPU busy time per step (the gap is host and launch overhead), and the
   attention kernel's effective bandwidth: the KV bytes a step must read / its attention time,
   next to the copy bandwidth measured in the same run (the attention's own roofline).
-Prefill is profiled too but left out of the per-step figures (its kernels run once; the groups
-count only kernels launched `--new` - 1 times or more).
+Prefill and other one-off work are left out of the per-step figures: each configuration runs
+one call of `--new` tokens and one of half as many, and the per-step figures are their
+difference over the difference in steps (a prefill kernel that shares a decode kernel's name
+would otherwise count as decode time).
 
 `--attention`: the decode attention kernels to compare, each over all four configurations:
 `rollout.decode_attention` modes (single, split, auto) or a fixed number of context splits
@@ -82,16 +84,22 @@ def profile(engine, prompts, new: int, gpu: bool) -> tuple[dict, float]:
     return kernels, wall
 
 
-def per_step(kernels: dict, steps: int) -> tuple[dict, float]:
-    """Per group: [us per step, kernels per step]; and the GPU busy us per step."""
+def per_step(long: dict, short: dict, steps: int) -> tuple[dict, float, list]:
+    """Per group: [us per step, kernels per step]; the GPU busy us per step; the kernels by us
+    per step, largest first. A kernel's per-step figure is its (calls, time) in the long call
+    minus those in the short one, over the `steps` more decode steps the long call ran: prefill
+    and one-off work cancel even where a prefill kernel shares a decode kernel's name."""
     groups = defaultdict(lambda: [0.0, 0.0])
-    for name, (calls, us) in kernels.items():
-        if calls < steps:  # prefill-only kernels (and the warm-up's compiles)
+    kernels = []
+    for name, (calls, us) in long.items():
+        calls0, us0 = short.get(name, (0, 0.0))
+        if calls - calls0 < steps:  # not launched at every decode step
             continue
         g = groups[group_of(name)]
-        g[0] += us / steps
-        g[1] += calls / steps
-    return dict(groups), sum(g[0] for g in groups.values())
+        g[0] += (us - us0) / steps
+        g[1] += (calls - calls0) / steps
+        kernels.append(((us - us0) / steps, name))
+    return dict(groups), sum(g[0] for g in groups.values()), sorted(kernels, reverse=True)
 
 
 def main() -> None:
@@ -118,7 +126,6 @@ def main() -> None:
     state = full_state_for_engine(random_model("qwen3", fields, device, dtype))
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, shape.vocab, (batch, prompt_len), generator=g).tolist()
-    steps = new - 1
     rows, summary = [], []
     configs = [(quant, kv, mode, fixed) for quant, kv in (("none", "auto"), ("none", "fp8"),
                                                          ("fp8", "auto"), ("fp8", "fp8"))
@@ -137,9 +144,11 @@ def main() -> None:
             "FP8" if kv == "fp8" else "BF16") + " KV, " + (
             f"{mode} attention" if fixed is None else f"{fixed} splits")
         kv_step = engine.model.cache_bytes(1) / cfg.max_model_len * batch * (
-            prompt_len + new / 2)
-        kernels, wall = profile(engine, prompts, new, gpu)
-        groups, busy = per_step(kernels, steps)
+            prompt_len + new * 3 / 4)
+        short = max(2, new // 2)
+        long_k, wall = profile(engine, prompts, new, gpu)
+        short_k, wall_short = profile(engine, prompts, short, gpu)
+        groups, busy, top = per_step(long_k, short_k, new - short)
         engine.shutdown()
         del engine
         for group, (us, count) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
@@ -148,21 +157,24 @@ def main() -> None:
                          "kernels_per_step": count})
         attn = groups.get("attention", [0.0])[0]
         summary.append({"engine": name, "splits": splits, "group": "(step)",
-                        "us_per_step": wall / new * 1e6,
+                        "us_per_step": (wall - wall_short) / (new - short) * 1e6,
                         "gpu_busy_us": busy,
                         "kernels_per_step": sum(c for _, c in groups.values()),
                         "kv_MB_per_step": kv_step / 1e6,
-                        "attention_GBps": kv_step / (attn * 1e-6) / 1e9 if attn else None})
+                        "attention_GBps": kv_step / (attn * 1e-6) / 1e9 if attn else None,
+                        "top_kernels": "; ".join(f"{n[:60]} {us:.0f}" for us, n in top[:6])})
         print(summary[-1], flush=True)
     info = {**device_info(), "copy_GBps": bw / 1e9}
     notes = [f"batch {batch}, prompts of {prompt_len} random tokens, {new} sampled tokens "
-             f"(temperature 1, no EOS); per-step figures over the {steps} decode steps",
+             f"(temperature 1, no EOS); per-step figures: a call of {new} tokens minus one of "
+             f"{max(2, new // 2)} (its prefill included) over the difference in steps, i.e. the "
+             "decode steps of the second half, prefill and one-off work cancelled",
              "splits: context splits of the decode attention per (row, kv head); 1 = the "
              "single-pass kernel (on CPU the torch reference runs whatever it says)",
-             "(step) rows: us_per_step = wall time of the generate call / new tokens (prefill "
-             "included); gpu_busy_us = the kernels' time per decode step; kv_MB_per_step = the "
-             "KV bytes one step reads at the mean context; attention_GBps = those bytes / the "
-             "attention kernel's time",
+             "(step) rows: us_per_step = wall time per decode step (the two calls' difference); "
+             "gpu_busy_us = the kernels' time per decode step; kv_MB_per_step = the KV bytes one "
+             "step reads at those steps' mean context; attention_GBps = those bytes / the "
+             "attention kernel's time; top_kernels: the six largest kernels, us per step",
              f"copy bandwidth measured in this run: {bw / 1e9:,.0f} GB/s (read + write), the "
              "attention kernel's reference",
              "groups by kernel name: " + "; ".join(f"{g}: {', '.join(k)}" for g, k in GROUPS)]
@@ -170,7 +182,7 @@ def main() -> None:
         notes.append("WARNING: no attention kernel was reported: the profiler did not see the "
                      "kernels inside the CUDA graphs; rerun with --no-graphs")
     columns = ["engine", "splits", "group", "us_per_step", "share_of_busy", "kernels_per_step",
-               "gpu_busy_us", "kv_MB_per_step", "attention_GBps"]
+               "gpu_busy_us", "kv_MB_per_step", "attention_GBps", "top_kernels"]
     write_results("decode_profile" + ("_smoke" if args.smoke else ""), args.out, info,
                   summary + rows, columns, notes)
 

@@ -16,10 +16,15 @@ each call reads HBM.
 Qwen3-0.6B decode shapes (qkv, o, gate_up, down; the engine fuses qkv and gate+up) at M = 64
 and 256, and a Qwen3-30B-A3B-sized dense row for scale.
 
-Run: python -m bench.fp8_gemm [--m 64 256]
+`--sweep`: also time `w8a16_linear` over its launch settings (tile BM x BN x BK, K splits,
+warps, stages) per shape and report the fastest next to the default (`w8a16 best us`,
+`best tiles`): what the engine's tile choice should be, by measurement.
+
+Run: python -m bench.fp8_gemm [--m 64 256] [--sweep]
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 
 import torch
@@ -68,7 +73,36 @@ def time_cuda(fn, reps: int = 64, iters: int = 20) -> float:
     return statistics.median(times)
 
 
-def case(m: int, n: int, k: int, device: str, smoke: bool) -> dict[str, float | None]:
+def sweep_configs(m: int, k: int, smoke: bool) -> list[dict]:
+    """The w8a16 launch settings `--sweep` tries at M = m (BM <= the next power of two of m)."""
+    if smoke:
+        return [dict(BM=16, BN=32, BK=64, split=1, num_warps=4, num_stages=2)]
+    bms = [b for b in (16, 32, 64, 128) if b <= max(16, 1 << (m - 1).bit_length())]
+    splits = sorted({1, 2, 4, 8} & set(range(1, k // 128 + 1)))
+    return [dict(BM=bm, BN=bn, BK=bk, split=sp, num_warps=nw, num_stages=ns)
+            for bm, bn, bk, sp, nw, ns in itertools.product(bms, (32, 64, 128), (64, 128), splits,
+                                                            (4, 8), (3, 4))]
+
+
+def sweep(x, wq, ws, rot, it, smoke: bool) -> tuple[float, dict]:
+    """(fastest seconds, its settings) of w8a16_linear over `sweep_configs`."""
+    from rl.rollout.native import kernels as K
+    best = (float("inf"), {})
+    for cfg in sweep_configs(x.shape[0], x.shape[1], smoke):
+        if smoke:
+            K.w8a16_linear(x, wq[0], ws[0], impl="torch")
+            return 0.0, cfg
+        try:
+            t = time_cuda(lambda: K.w8a16_linear(x, wq[(j := next(it) % rot)], ws[j],
+                                                 impl="triton", tiles=cfg), reps=32, iters=8)
+        except Exception:  # noqa: BLE001 - a setting Triton cannot compile (shared memory)
+            continue
+        best = min(best, (t, cfg), key=lambda b: b[0])
+    return best
+
+
+def case(m: int, n: int, k: int, device: str, smoke: bool, do_sweep: bool = False
+         ) -> dict[str, float | None]:
     from rl.quant.block_fp8 import quantize_weight_block
     from rl.rollout.native import kernels as K
     torch.manual_seed(0)
@@ -84,6 +118,8 @@ def case(m: int, n: int, k: int, device: str, smoke: bool) -> dict[str, float | 
     ref = F.linear(x, w[0]).float()
     got = K.w8a16_linear(x, wq[0], ws[0], impl=impl).float()
     out["w8a16_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+    if do_sweep:
+        out["w8a16_best"], out["best_tiles"] = sweep(x, wq, ws, rot, it, smoke)
     if smoke:
         return out
     out["bf16"] = time_cuda(lambda: F.linear(x, w[next(it) % rot]))
@@ -111,8 +147,10 @@ def case(m: int, n: int, k: int, device: str, smoke: bool) -> dict[str, float | 
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
-        "--m", type=int, nargs="+", default=[64, 256]))
+    args = parse_args(__doc__.splitlines()[0], lambda p: (
+        p.add_argument("--m", type=int, nargs="+", default=[64, 256]),
+        p.add_argument("--sweep", action="store_true",
+                       help="also sweep w8a16's launch settings per shape")))
     device = "cpu" if args.smoke else "cuda"
     fields = dict(QWEN3_06B, hidden_size=256, head_dim=64, intermediate_size=512,
                   num_attention_heads=4, num_key_value_heads=2) if args.smoke else QWEN3_06B
@@ -123,24 +161,30 @@ def main() -> None:
     rows = []
     for m in ([4] if args.smoke else args.m):
         for name, (n, k) in per.items():
-            r = case(m, n, k, device, args.smoke)
+            r = case(m, n, k, device, args.smoke, args.sweep)
             row = {"shape": name, "M": m, "N": n, "K": k, **{
                 f"{key} us": v * 1e6 for key, v in r.items()
-                if key in ("bf16", "w8a16", "w8a8", "w8a8_quant") and v is not None}}
+                if key in ("bf16", "w8a16", "w8a16_best", "w8a8", "w8a8_quant")
+                and v is not None}}
+            if "best_tiles" in r:
+                row["best tiles"] = " ".join(f"{a}={b}" for a, b in r["best_tiles"].items())
             row["w8a16 err"] = r.get("w8a16_rel_err")
             row["w8a8 err"] = r.get("w8a8_rel_err")
             if bw:
                 row["roofline bf16 us"] = n * k * 2 / (bw * 1e9) * 1e6
                 row["roofline fp8 us"] = n * k / (bw * 1e9) * 1e6
                 row["w8a16 / bf16"] = r["bf16"] / r["w8a16"]
+                if r.get("w8a16_best"):
+                    row["w8a16 best / bf16"] = r["bf16"] / r["w8a16_best"]
                 if "w8a8" in r:
                     row["w8a8 / bf16"] = r["bf16"] / r["w8a8"]
                     row["w8a8+quant / bf16"] = r["bf16"] / r["w8a8_quant"]
             if "w8a8_error" in r:
                 row["note"] = r["w8a8_error"]
             rows.append(row)
-    cols = ["shape", "M", "N", "K", "bf16 us", "w8a16 us", "w8a8 us", "w8a8_quant us",
-            "roofline bf16 us", "roofline fp8 us", "w8a16 / bf16", "w8a8 / bf16",
+    cols = ["shape", "M", "N", "K", "bf16 us", "w8a16 us", "w8a16_best us", "w8a8 us",
+            "w8a8_quant us", "roofline bf16 us", "roofline fp8 us", "w8a16 / bf16",
+            "w8a16 best / bf16", "best tiles", "w8a8 / bf16",
             "w8a8+quant / bf16", "w8a16 err", "w8a8 err", "note"]
     notes = ["x / bf16 columns: speed-up over BF16 (>1 = FP8 faster); err: relative Frobenius "
              "error against the BF16 GEMM (FP8 rounding of weight, and for w8a8 of activations)",
@@ -148,7 +192,8 @@ def main() -> None:
              "cuBLAS path would differ in its scale reads only)"]
     if bw:
         notes.append(f"HBM copy bandwidth measured here: {bw:,.0f} GB/s")
-    write_results("fp8_gemm_smoke" if args.smoke else "fp8_gemm", args.out, device_info(),
+    name = "fp8_gemm_sweep" if args.sweep else "fp8_gemm"
+    write_results(f"{name}_smoke" if args.smoke else name, args.out, device_info(),
                   rows, cols, notes)
 
 

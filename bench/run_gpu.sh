@@ -5,7 +5,9 @@
 #                                            v4attn (one H200: V4 attention test + benchmark)
 #                                            moe_actor (2 H200: V4-shaped actor, EP=2 vs ZeRO-3;
 #                                            MOE_ACTOR_ARGS="--ep 2 --profile" adds a profile)
-#   (fp8gemm: the decode GEMMs, FP8 paths vs BF16 vs the roofline; issue 16's measurement)
+#   (fp8gemm: the decode GEMMs, FP8 paths vs BF16 vs the roofline; issue 16's measurement;
+#    fp8gemm_sweep: the same with w8a16's launch settings swept per shape)
+#   (decode_profile: bench/decode_profile.py alone, single-pass attention)
 #   (decode_attention: the decode attention kernel alone, BF16 vs FP8 KV over its settings)
 #   (r3: routing replay, native FP8 engine vs BF16 trainer model; not in the default list)
 #   (tests_sync_only: the sync test without the RL step)
@@ -71,6 +73,9 @@ for s in $sections; do
                 run v4_attention 300 python3 -m bench.v4_attention --out "$OUT" ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
         fp8gemm) run fp8_gemm 150 python3 -m bench.fp8_gemm --out "$OUT" ;;
+        fp8gemm_sweep) run fp8_gemm_sweep 420 python3 -m bench.fp8_gemm --sweep --out "$OUT" ;;
+        decode_profile) run decode_profile 300 python3 -m bench.decode_profile --attention single \
+                            --out "$OUT" ;;
         decode_attention) run decode_attention 240 python3 -m bench.decode_attention --out "$OUT" ;;
         profile) run decode_profile 420 python3 -m bench.decode_profile --out "$OUT"
                  # each decode attention kernel alone (split: its split and combine kernels)

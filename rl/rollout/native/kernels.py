@@ -314,7 +314,7 @@ if triton is not None:
             if FP8:
                 w = w.to(tl.float8e4nv, bitcast=True)
                 part = tl.dot(a, tl.trans(w.to(a.dtype)))
-                # BK == 128: one scale per (128-row block of N, this K block).
+                # BK 64 or 128: one scale per (128-row block of N, the 128-wide K block).
                 sc = tl.load(s_ptr + (rn // 128) * stride_sn + k0 // 128, mask=rn < N, other=0.0)
                 acc += part * sc[None, :]
             else:
@@ -484,29 +484,39 @@ def _tiles(m: int, n: int) -> tuple[int, int]:
 
 
 def w8a16_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
-                 impl: str = "torch") -> torch.Tensor:
+                 impl: str = "torch", tiles: dict | None = None) -> torch.Tensor:
     """x (M, K) @ deq(w (N, K)).T -> (M, N) in x's dtype. `w` uint8 (e4m3 bytes) with fp32
-    `scale` (ceil(N/128), ceil(K/128)), or a float weight with `scale=None`."""
+    `scale` (ceil(N/128), ceil(K/128)), or a float weight with `scale=None`.
+
+    `tiles` (triton only) overrides the launch: BM, BN, BK (64 or 128), split (K splits),
+    num_warps, num_stages; absent keys keep the defaults (`bench.fp8_gemm --sweep` measures
+    them)."""
     if impl == "torch":
         wf = w.float() if scale is None else dequantize_weight_block(
             w.view(torch.float8_e4m3fn), scale, DEFAULT_BLOCK, torch.float32)
         return (x.float() @ wf.t()).to(x.dtype)
     m, k = x.shape
     n = w.shape[0]
+    t = tiles or {}
     bm, bn = _tiles(m, n)
+    bm, bn, bk = t.get("BM", bm), t.get("BN", bn), t.get("BK", 128)
+    if bk not in (64, 128):
+        raise ValueError(f"w8a16_linear: BK must be 64 or 128 (one scale per K block), got {bk}")
     fp8 = scale is not None
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    kblocks = triton.cdiv(k, 128)
+    tiles_mn = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    kblocks = triton.cdiv(k, bk)
     # Skinny GEMMs with few output tiles (o_proj, down_proj at decode) leave most SMs idle:
     # split K so that ~2 waves of programs run, each over >= 2 K blocks.
-    split = max(1, min(kblocks // 2, 264 // tiles)) if tiles < 132 else 1
+    split = max(1, min(kblocks // 2, 264 // tiles_mn)) if tiles_mn < 132 else 1
+    split = t.get("split", split)
     per = triton.cdiv(kblocks, split)
     split = triton.cdiv(kblocks, per)
     y = torch.empty((split, m, n) if split > 1 else (m, n),
                     dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    launch = {key: t[key] for key in ("num_warps", "num_stages") if key in t}
     _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-        x, w, scale if fp8 else w, y, m, n, k, scale.stride(0) if fp8 else 0, per * 128,
-        FP8=fp8, BM=bm, BN=bn, BK=128)
+        x, w, scale if fp8 else w, y, m, n, k, scale.stride(0) if fp8 else 0, per * bk,
+        FP8=fp8, BM=bm, BN=bn, BK=bk, **launch)
     return y.sum(0).to(x.dtype) if split > 1 else y
 
 

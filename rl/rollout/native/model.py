@@ -89,6 +89,21 @@ class Shape:
         return body + self.vocab * self.hidden * (1 if self.tied else 2)
 
 
+def attention_settings(fp8_kv: bool, splits: int) -> dict:
+    """`decode_attention`'s keyword settings the engine uses for a cache dtype and split count.
+
+    FP8 KV cache: e4m3 -> fp16 dots (q is RMS-normed, far inside fp16's range; fp16 keeps 3 more
+    mantissa bits of the softmax weights than bf16), and in one pass 128-slot tiles and 8 warps:
+    the fastest of bench.decode_attention's sweep on H200 at 256 x 1,024, 64 x 1,024 and
+    16 x 4,096 (0.90 / 0.89 / 0.60 of the time of the bf16-dot defaults). Split-K keeps its
+    tiles; its fp16 dot runs 1.00-1.05x the bf16 one's time there, and split and single then
+    round alike (tests/gpu: split vs single log-probs). BF16 cache: the defaults.
+    """
+    if not fp8_kv:
+        return {}
+    return dict(f16_dot=True) if splits > 1 else dict(block_l=128, num_warps=8, f16_dot=True)
+
+
 class NativeQwen3:
     """Weights, KV cache and forward passes. `impl`: "triton" (CUDA) or "torch" (anywhere)."""
 
@@ -361,14 +376,7 @@ class NativeQwen3:
         s, impl = self.s, self.impl
         b = tokens.shape[0]
         splits = self.attention_splits(b)
-        # FP8 KV cache: e4m3 -> fp16 dots (q is RMS-normed here, far inside fp16's range; fp16
-        # keeps 3 more mantissa bits of the softmax weights than bf16), and in one pass 128-slot
-        # tiles and 8 warps: the fastest of bench.decode_attention's sweep on H200 at 256 x 1,024,
-        # 64 x 1,024 and 16 x 4,096 (0.90 / 0.89 / 0.60 of the time of the bf16-dot defaults).
-        # Split-K keeps its tiles; its fp16 dot runs 1.00-1.05x the bf16 one's time there, and
-        # split and single then round alike (tests/gpu: split vs single log-probs).
-        fp8_attn = ({} if not self.cache.fp8 else dict(f16_dot=True) if splits > 1
-                    else dict(block_l=128, num_warps=8, f16_dot=True))
+        attn = attention_settings(self.cache.fp8, splits)
         x = F.embedding(tokens, self.tensors["embed"])
         resid = None
         for i in range(s.layers):
@@ -380,7 +388,7 @@ class NativeQwen3:
                                      self.cos, self.sin, start, pos, kc, vc, s.nh, s.nkv, s.eps,
                                      impl, ke, ve)
             a = K.decode_attention(q, kc, vc, start, pos, s.head_dim ** -0.5, impl, k_exp=ke,
-                                   v_exp=ve, splits=splits, **fp8_attn)
+                                   v_exp=ve, splits=splits, **attn)
             o = self.linear(a.view(b, s.nh * s.head_dim), p + "o")
             h, resid = K.rmsnorm(o, self.tensors[p + "ln2"], s.eps, resid, impl)
             x = self.mlp(h, i)
