@@ -23,7 +23,7 @@ from rl.config import Config, to_dict
 from rl.console import say
 from rl.data.datasets import build_datasets, encode_prompt
 from rl.models.loading import DEFAULT_CACHE_ROOT, load_model, load_tokenizer, resolve_model_dir
-from rl.models.presets import save_model
+from rl.models.presets import preset_dir_name, save_model
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +31,12 @@ log = logging.getLogger(__name__)
 def _sft_dir(config: dict) -> Path:
     """`sft_dir` of a resolved config as a dict (`to_dict(cfg)`, or a run's config.yaml)."""
     model, sft = config["model"], config["sft"]
+    # A preset's directory name carries its fields' fingerprint: a changed preset is a new key.
+    base = None if model.get("path") is not None else preset_dir_name(model["preset"],
+                                                                      model["seed"])
     blob = json.dumps({"model": model, "data": config["data"],
                        "sft": {k: v for k, v in sft.items() if k != "cache_dir"},
-                       "seed": config["seed"], "format": 1}, sort_keys=True)
+                       "seed": config["seed"], "format": 1, "preset_dir": base}, sort_keys=True)
     name = model["preset"] if model.get("path") is None else Path(model["path"]).name
     return Path(sft["cache_dir"]) / f"{name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
@@ -51,7 +54,7 @@ def run_model_dir(config: dict) -> Path:
         return _sft_dir(config)
     if model.get("path") is not None:
         return Path(model["path"])
-    return DEFAULT_CACHE_ROOT / f"{model['preset']}-seed{model['seed']}"
+    return DEFAULT_CACHE_ROOT / preset_dir_name(model["preset"], model["seed"])
 
 
 def warm_start_dir(cfg: Config) -> Path:

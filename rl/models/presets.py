@@ -17,6 +17,7 @@ experts, top-2:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -86,6 +87,17 @@ _BUILDERS = {
     "tiny-deepseek-v3": ("deepseek_v3", _deepseek_v3),
     "tiny-deepseek-v4": ("deepseek_v4", _deepseek_v4),
 }
+
+
+def preset_dir_name(name: str, seed: int) -> str:
+    """`<preset>-seed<seed>-<fingerprint>`: the directory a preset is built into. The fingerprint
+    hashes the preset's fields, so a build from before a preset changed is never reused."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model preset {name!r}; expected one of {', '.join(PRESETS)}")
+    model_type, fields = _BUILDERS[name]
+    blob = json.dumps([model_type, fields(padded_vocab_size(len(build_char_tokenizer())))],
+                      sort_keys=True)
+    return f"{name}-seed{seed}-{hashlib.sha256(blob.encode()).hexdigest()[:8]}"
 
 
 def preset_config(name: str, vocab_size: int) -> PretrainedConfig:

@@ -57,10 +57,10 @@ def model_config(cfg: Config) -> tuple[dict, str, list[str]]:
         return _read(shipped, "model.path"), f"known:{shipped.stem}", [
             f"{cfg.model.path}/config.json is not on this machine: planned with the published "
             f"config of {shipped.stem} (rl/plan/known/{shipped.name})"]
-    built = PRESET_ROOT / f"{cfg.model.preset}-seed{cfg.model.seed}" / "config.json"
+    from rl.models.presets import padded_vocab_size, preset_config, preset_dir_name
+    from rl.models.tokenizer import build_char_tokenizer
+    built = PRESET_ROOT / preset_dir_name(cfg.model.preset, cfg.model.seed) / "config.json"
     if built.is_file():
         return _read(built, "model.preset"), str(built), []
-    from rl.models.presets import padded_vocab_size, preset_config
-    from rl.models.tokenizer import build_char_tokenizer
     config = preset_config(cfg.model.preset, padded_vocab_size(len(build_char_tokenizer())))
     return config.to_dict(), f"preset:{cfg.model.preset}", []

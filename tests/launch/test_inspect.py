@@ -7,6 +7,7 @@ import pytest
 
 from launch.inspect import main
 from rl.metrics import MetricsLogger, TrajectoryWriter
+from rl.models.presets import preset_dir_name
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -101,7 +102,7 @@ def test_decodes_with_the_runs_own_warm_start_tokenizer(run_dir, tmp_path, capsy
     # Without a warm start the run started from the model itself: the preset's directory.
     plain = load_config(REPO / "configs" / "local.yaml", ["model.warm_start=false"])
     assert run_model_dir(yaml.safe_load(yaml.safe_dump(to_dict(plain)))) == \
-        Path("checkpoints/models/tiny-qwen3-moe-seed0")
+        Path("checkpoints/models") / preset_dir_name("tiny-qwen3-moe", 0)
 
 
 def test_tensorboard_only_run(tmp_path, capsys):

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -25,10 +27,24 @@ def test_path_is_returned_as_is(preset_dirs):
 def test_preset_is_built_once_then_reused(tmp_path):
     cfg = ModelConfig(preset="tiny-qwen3-moe", seed=3)
     first = resolve_model_dir(cfg, cache_root=tmp_path)
-    assert first == tmp_path / "tiny-qwen3-moe-seed3"
+    assert first.parent == tmp_path and first.name.startswith("tiny-qwen3-moe-seed3-")
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     again = resolve_model_dir(cfg, cache_root=tmp_path)
     assert again == first and (again / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_a_changed_preset_is_built_anew_not_reused(tmp_path, monkeypatch):
+    """A build from before a preset's fields changed (here: a wider expert) is never loaded in
+    its place: the directory name carries a hash of the fields."""
+    from rl.models import presets
+    cfg = ModelConfig(preset="tiny-qwen3-moe", seed=3)
+    old = resolve_model_dir(cfg, cache_root=tmp_path)
+    model_type, fields = presets._BUILDERS["tiny-qwen3-moe"]
+    monkeypatch.setitem(presets._BUILDERS, "tiny-qwen3-moe",
+                        (model_type, lambda v: {**fields(v), "moe_intermediate_size": 64}))
+    new = resolve_model_dir(cfg, cache_root=tmp_path)
+    assert new != old and old.is_dir()
+    assert json.loads((new / "config.json").read_text())["moe_intermediate_size"] == 64
 
 
 def test_bf16_load_keeps_integer_buffers(preset_dirs):

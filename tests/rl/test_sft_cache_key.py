@@ -1,0 +1,30 @@
+"""The SFT warm start's cache key: what a cached warm start is reused for."""
+from pathlib import Path
+
+from rl.config import load_config
+from rl.models import presets
+from rl.sft import sft_dir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(*overrides):
+    return load_config(REPO / "configs" / "local.yaml", list(overrides))
+
+
+def test_same_config_same_key_and_each_input_changes_it():
+    key = sft_dir(_cfg())
+    assert sft_dir(_cfg()) == key
+    for override in ("seed=1", "sft.steps=171", "data.synthetic.num_train=2999",
+                     "model.preset=tiny-deepseek-v4"):
+        assert sft_dir(_cfg(override)) != key, override
+
+
+def test_a_changed_preset_gets_a_new_key(monkeypatch):
+    """A warm start trained from an earlier version of a preset is not reused after the preset's
+    fields change (its base directory's fingerprint is part of the key)."""
+    key = sft_dir(_cfg())
+    model_type, fields = presets._BUILDERS["tiny-qwen3-moe"]
+    monkeypatch.setitem(presets._BUILDERS, "tiny-qwen3-moe",
+                        (model_type, lambda v: {**fields(v), "num_hidden_layers": 3}))
+    assert sft_dir(_cfg()) != key
