@@ -1,6 +1,6 @@
 """The native engine's decode attention kernel alone (issue 16): BF16 vs FP8 KV cache, over its
-tile (BLOCK_L), Triton's warps, the FP8 dot's dtype (bf16 after e4m3 -> bf16, or fp16 after
-e4m3 -> fp16) and split-K, against the copy bandwidth measured in the same run.
+tile (BLOCK_L), Triton's warps and pipeline stages, the FP8 dot's dtype (bf16 after e4m3 -> bf16,
+or fp16 after e4m3 -> fp16) and split-K, against the copy bandwidth measured in the same run.
 
     python -m bench.decode_attention [--shapes 256x1024,64x1024,16x4096]
 
@@ -27,15 +27,20 @@ NH, NKV, D = 16, 8, 128
 def variants(rows: int, ctx: int) -> list[dict]:
     """The kernel settings compared at one shape."""
     from rl.rollout.native.kernels import decode_splits
-    out = [dict(kv="bf16", block_l=b, num_warps=None, f16_dot=False, splits=1)
+    out = [dict(kv="bf16", block_l=b, num_warps=None, f16_dot=False, splits=1, num_stages=None)
            for b in (32, 64, 128)]
     for f16 in (False, True):
         for b in (64, 128):
             for w in (None, 8):
-                out.append(dict(kv="fp8", block_l=b, num_warps=w, f16_dot=f16, splits=1))
+                out.append(dict(kv="fp8", block_l=b, num_warps=w, f16_dot=f16, splits=1,
+                                num_stages=None))
+    # pipelining depth and longer tiles around the FP8 engine setting (128 slots, 8 warps)
+    out += [dict(kv="fp8", block_l=b, num_warps=8, f16_dot=True, splits=1, num_stages=st)
+            for b, st in ((128, 2), (128, 4), (256, 2), (256, 3))]
     auto = decode_splits(rows, NKV, ctx, 64)
     if auto > 1:
-        out += [dict(kv=kv, block_l=64, num_warps=None, f16_dot=f16, splits=auto)
+        out += [dict(kv=kv, block_l=64, num_warps=None, f16_dot=f16, splits=auto,
+                     num_stages=None)
                 for kv, f16 in (("bf16", False), ("fp8", False), ("fp8", True))]
     return out
 
@@ -43,7 +48,7 @@ def variants(rows: int, ctx: int) -> list[dict]:
 def engine_variant(kv: str, splits: int) -> dict:
     """The variant the native engine runs (`rl.rollout.native.model.attention_settings`)."""
     from rl.rollout.native.model import attention_settings
-    settings = dict(block_l=64, num_warps=None, f16_dot=False)
+    settings = dict(block_l=64, num_warps=None, f16_dot=False, num_stages=None)
     settings.update(attention_settings(kv == "fp8", splits))
     return dict(kv=kv, splits=splits, **settings)
 
@@ -86,13 +91,15 @@ def main() -> None:
                 return K.decode_attention(q, caches[0], caches[1], start, pos, scale, "triton",
                                           v["block_l"], caches[2], caches[3],
                                           splits=v["splits"], f16_dot=v["f16_dot"],
-                                          num_warps=v["num_warps"])
+                                          num_warps=v["num_warps"],
+                                          num_stages=v["num_stages"])
             err = (call().float() - ref[v["kv"]]).abs().max().item()
             us = do_bench(call, warmup=25, rep=200) * 1e3 if gpu else None
             default = v == engine_variant(v["kv"], v["splits"])
             rows_out.append({
                 "shape": f"{rows} x {ctx}", "kv": v["kv"], "block_l": v["block_l"],
-                "num_warps": v["num_warps"] or "default", "dot": "fp16" if v["f16_dot"] else
+                "num_warps": v["num_warps"] or "default",
+                "num_stages": v["num_stages"] or "default", "dot": "fp16" if v["f16_dot"] else
                 "bf16", "splits": v["splits"], "engine_default": "yes" if default else "",
                 "us": us, "GBps": kv_bytes[v["kv"]] / us / 1e3 if us else None,
                 "of_copy_bw": kv_bytes[v["kv"]] / us * 1e6 / bw if us else None,
