@@ -31,13 +31,14 @@ log = logging.getLogger(__name__)
 def _sft_dir(config: dict) -> Path:
     """`sft_dir` of a resolved config as a dict (`to_dict(cfg)`, or a run's config.yaml)."""
     model, sft = config["model"], config["sft"]
-    # A preset's directory name carries its fields' fingerprint: a changed preset is a new key.
-    base = None if model.get("path") is not None else preset_dir_name(model["preset"],
-                                                                      model["seed"])
+    if model.get("path") is None:
+        # A preset's directory name carries its fields' fingerprint: a changed preset is a new key.
+        name, base = model["preset"], preset_dir_name(model["preset"], model["seed"])
+    else:
+        name, base = Path(model["path"]).name, None
     blob = json.dumps({"model": model, "data": config["data"],
                        "sft": {k: v for k, v in sft.items() if k != "cache_dir"},
                        "seed": config["seed"], "format": 1, "preset_dir": base}, sort_keys=True)
-    name = model["preset"] if model.get("path") is None else Path(model["path"]).name
     return Path(sft["cache_dir"]) / f"{name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 

@@ -92,12 +92,17 @@ _BUILDERS = {
 }
 
 
+def _builder(name: str):
+    """(model_type, fields(vocab_size) -> dict) of preset `name`; ValueError if unknown."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model preset {name!r}; expected one of {', '.join(PRESETS)}")
+    return _BUILDERS[name]
+
+
 def preset_dir_name(name: str, seed: int) -> str:
     """`<preset>-seed<seed>-<fingerprint>`: the directory a preset is built into. The fingerprint
     hashes the preset's fields, so a build from before a preset changed is never reused."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown model preset {name!r}; expected one of {', '.join(PRESETS)}")
-    model_type, fields = _BUILDERS[name]
+    model_type, fields = _builder(name)
     blob = json.dumps([model_type, fields(padded_vocab_size(len(build_char_tokenizer())))],
                       sort_keys=True)
     return f"{name}-seed{seed}-{hashlib.sha256(blob.encode()).hexdigest()[:8]}"
@@ -105,9 +110,7 @@ def preset_dir_name(name: str, seed: int) -> str:
 
 def preset_config(name: str, vocab_size: int) -> PretrainedConfig:
     """The preset's config with the character tokenizer's special ids."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown model preset {name!r}; expected one of {', '.join(PRESETS)}")
-    model_type, fields = _BUILDERS[name]
+    model_type, fields = _builder(name)
     config_cls, _ = transformers_classes(model_type)
     return config_cls(**fields(vocab_size), **_SPECIAL_IDS)
 
