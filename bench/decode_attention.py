@@ -1,6 +1,6 @@
 """The native engine's decode attention kernel alone (issue 16): BF16 vs FP8 KV cache, over its
-tile (BLOCK_L), Triton's warps and pipeline stages, the FP8 dot's dtype (bf16 after e4m3 -> bf16,
-or fp16 after e4m3 -> fp16) and split-K, against the copy bandwidth measured in the same run.
+tile (BLOCK_L), Triton's warps and pipeline stages, the FP8 kernel's products (QK and PV in e4m3
+or in fp16 after conversion) and split-K, against the copy bandwidth measured in the same run.
 
     python -m bench.decode_attention [--shapes 256x1024,64x1024,16x4096]
 
@@ -22,33 +22,36 @@ from bench.common import device_info, measure_copy_bandwidth, parse_args, write_
 from rl.plan.kv import KV_FP8_SCALE_BYTES, gqa_bytes_per_token
 
 NH, NKV, D = 16, 8, 128
+MMA = ((True, True), (True, False), (False, False))   # FP8 kernel: (QK, PV) products in e4m3
 
 
 def variants(rows: int, ctx: int) -> list[dict]:
     """The kernel settings compared at one shape."""
     from rl.rollout.native.kernels import decode_splits
-    out = [dict(kv="bf16", block_l=b, num_warps=None, f16_dot=False, splits=1, num_stages=None)
+    out = [dict(kv="bf16", block_l=b, num_warps=None, fp8_mma=None, splits=1, num_stages=None)
            for b in (32, 64, 128)]
-    for f16 in (False, True):
+    for mma in MMA:
         for b in (64, 128):
             for w in (None, 8):
-                out.append(dict(kv="fp8", block_l=b, num_warps=w, f16_dot=f16, splits=1,
+                out.append(dict(kv="fp8", block_l=b, num_warps=w, fp8_mma=mma, splits=1,
                                 num_stages=None))
-    # pipelining depth and longer tiles around the FP8 engine setting (128 slots, 8 warps)
-    out += [dict(kv="fp8", block_l=b, num_warps=8, f16_dot=True, splits=1, num_stages=st)
-            for b, st in ((128, 2), (128, 4), (256, 2), (256, 3))]
+    out += [dict(kv="fp8", block_l=b, num_warps=w, fp8_mma=MMA[0], splits=1, num_stages=st)
+            for b, w, st in ((128, None, 2), (128, None, 4), (256, None, 2), (256, 8, 2))]
     auto = decode_splits(rows, NKV, ctx, 64)
     if auto > 1:
-        out += [dict(kv=kv, block_l=64, num_warps=None, f16_dot=f16, splits=auto,
-                     num_stages=None)
-                for kv, f16 in (("bf16", False), ("fp8", False), ("fp8", True))]
-    return out
+        out += [dict(kv="bf16", block_l=64, num_warps=None, fp8_mma=None, splits=auto,
+                     num_stages=None)]
+        out += [dict(kv="fp8", block_l=b, num_warps=None, fp8_mma=mma, splits=auto,
+                     num_stages=None) for b in (64, 128) for mma in (MMA[0], MMA[2])]
+    # an FP8 cache holds whole tiles (KVCache pads rows to 128 slots)
+    return [v for v in out if v["kv"] == "bf16" or ctx % v["block_l"] == 0]
 
 
 def engine_variant(kv: str, splits: int) -> dict:
     """The variant the native engine runs (`rl.rollout.native.model.attention_settings`)."""
     from rl.rollout.native.model import attention_settings
-    settings = dict(block_l=64, num_warps=None, f16_dot=False, num_stages=None)
+    settings = dict(block_l=64, num_warps=None, num_stages=None,
+                    fp8_mma=(True, True) if kv == "fp8" else None)   # H200: e4m3 products
     settings.update(attention_settings(kv == "fp8", splits))
     return dict(kv=kv, splits=splits, **settings)
 
@@ -62,7 +65,7 @@ def main() -> None:
     from rl.rollout.native.kvcache import quantize_kv
     gpu = not args.smoke
     device = "cuda" if gpu else "cpu"
-    shapes = [(4, 64)] if args.smoke else [tuple(int(x) for x in s.split("x"))
+    shapes = [(4, 128)] if args.smoke else [tuple(int(x) for x in s.split("x"))
                                             for s in args.shapes.split(",")]
     bw = measure_copy_bandwidth(device, 2.0) * 1e9 if gpu else None
     if gpu:
@@ -76,6 +79,7 @@ def main() -> None:
         vc = torch.randn(rows, NKV, ctx, D, device=device, generator=g).to(dt)
         k8, ke = quantize_kv(kc)
         v8, ve = quantize_kv(vc)
+        v8 = v8.transpose(-1, -2).contiguous()            # the FP8 cache's V layout: (D, L)
         start = torch.zeros(rows, dtype=torch.int32, device=device)
         pos = torch.tensor([ctx - 1], dtype=torch.int32, device=device)
         scale = D ** -0.5
@@ -90,7 +94,7 @@ def main() -> None:
             def call():
                 return K.decode_attention(q, caches[0], caches[1], start, pos, scale, "triton",
                                           v["block_l"], caches[2], caches[3],
-                                          splits=v["splits"], f16_dot=v["f16_dot"],
+                                          splits=v["splits"], fp8_mma=v["fp8_mma"],
                                           num_warps=v["num_warps"],
                                           num_stages=v["num_stages"])
             err = (call().float() - ref[v["kv"]]).abs().max().item()
@@ -99,8 +103,10 @@ def main() -> None:
             rows_out.append({
                 "shape": f"{rows} x {ctx}", "kv": v["kv"], "block_l": v["block_l"],
                 "num_warps": v["num_warps"] or "default",
-                "num_stages": v["num_stages"] or "default", "dot": "fp16" if v["f16_dot"] else
-                "bf16", "splits": v["splits"], "engine_default": "yes" if default else "",
+                "num_stages": v["num_stages"] or "default",
+                "products": "bf16" if v["kv"] == "bf16" else "QK {} PV {}".format(
+                    *("e4m3" if x else "fp16" for x in v["fp8_mma"])),
+                "splits": v["splits"], "engine_default": "yes" if default else "",
                 "us": us, "GBps": kv_bytes[v["kv"]] / us / 1e3 if us else None,
                 "of_copy_bw": kv_bytes[v["kv"]] / us * 1e6 / bw if us else None,
                 "max_abs_err": err})

@@ -118,7 +118,9 @@ def teacher_forced_logprobs(eng, ids: torch.Tensor, tokens: torch.Tensor,
 def kv_cache_kl(model_dir, device: str, dtype: str, batch: int = 16, new: int = 128) -> dict:
     """FP8 KV cache (with BF16 and with FP8 weights) against the BF16 engine on one prompt set:
     the full-distribution KL(bf16 || x) per decode step, teacher-forced on tokens the BF16 engine
-    sampled, and the sampled-token estimate E_x[log p_x - log p_bf16] on x's own samples."""
+    sampled, and the sampled-token estimate E_x[log p_x - log p_bf16] on x's own samples.
+    kv8_qk8 / kv8_f16: the FP8-cache attention with only QK in e4m3 / with fp16 products (the
+    default on an H200 is both in e4m3), to report what each e4m3 product costs."""
     from rl.rollout.native.engine import NativeEngine
 
     def make(**kw):
@@ -135,10 +137,13 @@ def kv_cache_kl(model_dir, device: str, dtype: str, batch: int = 16, new: int = 
     ids = torch.tensor(prompts, device=device)
     ref_lp = teacher_forced_logprobs(ref, ids, tokens)
     out = {}
-    for name, kw in (("kv8", dict(kv_cache_dtype="fp8")),
-                     ("w8kv8", dict(kv_cache_dtype="fp8", quantization="fp8")),
-                     ("w8", dict(quantization="fp8"))):
+    for name, kw, mma in (("kv8", dict(kv_cache_dtype="fp8"), None),
+                          ("kv8_qk8", dict(kv_cache_dtype="fp8"), (True, False)),
+                          ("kv8_f16", dict(kv_cache_dtype="fp8"), (False, False)),
+                          ("w8kv8", dict(kv_cache_dtype="fp8", quantization="fp8"), None),
+                          ("w8", dict(quantization="fp8"), None)):
         eng = make(**kw)
+        eng.model.fp8_mma = mma
         samples = [grp[0] for grp in eng.generate(prompts, sp)]
         lp = teacher_forced_logprobs(eng, ids, tokens)
         kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1)

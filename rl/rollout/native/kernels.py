@@ -13,9 +13,10 @@ Ops (shapes: B rows, NH query heads, NKV kv heads, D head dim, L cache length):
   (FP8 caches: quantised on write, see `rl.rollout.native.kvcache`).
 - `decode_attention(q (B, NH, D), k_cache, v_cache (B, NKV, L, D), start (B,), pos (1,))`: one
   query per row over cache slots [start[b], pos]; online softmax in fp32. FP8 caches are read
-  as bytes; their per-token scales multiply the scores and softmax weights. `splits` > 1: split-K
-  (flash-decoding), each (row, kv head)'s context split over that many programs whose fp32
-  partials a second kernel combines; `decode_splits` picks the count from batch and context.
+  as bytes, V transposed (B, NKV, D, L); their per-token scales multiply the scores and softmax
+  weights. `splits` > 1: split-K (flash-decoding), each (row, kv head)'s context split over that
+  many programs whose fp32 partials a second kernel combines; `decode_splits` picks the count
+  from batch and context.
 - `silu_mul(x (M, 2I))`: `silu(x[:, :I]) * x[:, I:]`.
 - `w8a16_linear(x (M, K), w (N, K), scale)`: `x @ deq(w).T` with block-FP8 weights (uint8 view of
   e4m3, fp32 128x128 block scales) dequantised in registers: the weight crosses HBM as 1 byte.
@@ -26,6 +27,8 @@ The Triton interpreter (TRITON_INTERPRET=1) runs these on CPU tensors for the un
 fp16 activations: it mishandles bf16 dots (numpy has no bf16). On GPU they run in bf16.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -79,10 +82,11 @@ def _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, 
         k_cache[:b, :, p] = k.to(k_cache.dtype)
         v_cache[:b, :, p] = v.to(v_cache.dtype)
     else:
-        for x, data, exp in ((k, k_cache, k_exp), (v, v_cache, v_exp)):
-            x8, e = quantize_kv(x)
-            data[:b, :, p] = x8.view(data.dtype)
-            exp[:b, :, p] = e
+        k8, ke = quantize_kv(k)
+        v8, ve = quantize_kv(v)
+        k_cache[:b, :, p] = k8.view(k_cache.dtype)
+        v_cache[:b, :, :, p] = v8.view(v_cache.dtype)        # FP8 V is stored (D, L)
+        k_exp[:b, :, p], v_exp[:b, :, p] = ke, ve
     return q.to(qkv.dtype)
 
 
@@ -94,7 +98,7 @@ def _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp=None, v_ex
         k, v = k_cache[:b, :, :end].float(), v_cache[:b, :, :end].float()
     else:
         k = dequantize_kv(k_cache[:b, :, :end], k_exp[:b, :, :end])
-        v = dequantize_kv(v_cache[:b, :, :end], v_exp[:b, :, :end])
+        v = dequantize_kv(v_cache[:b, :, :, :end].transpose(-1, -2), v_exp[:b, :, :end])
     qg = q.float().view(b, nkv, nh // nkv, d)
     scores = torch.einsum("bhgd,bhld->bhgl", qg, k) * sm_scale
     slots = torch.arange(end, device=q.device)
@@ -120,7 +124,18 @@ def _grouped_torch(x, w, scale, offs):
 # Triton kernels
 # ======================================================================================
 if triton is not None:
-    from rl.rollout.native.kvcache import store_kv
+    from rl.rollout.native.kvcache import _e4m3_round, store_kv
+
+    # The interpreter's fp32 -> e4m3 cast drops the carry of a round-up into the next power of
+    # two; under it the FP8 attention rounds first (`_e4m3_round`, the hardware's rounding).
+    _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+    @triton.jit
+    def _to_e4m3(x, EXACT: tl.constexpr):
+        """fp32 (|x| <= 448) -> e4m3, round to nearest even."""
+        if EXACT:
+            x = _e4m3_round(x)
+        return x.to(tl.float8e4nv)
 
     @triton.jit
     def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, H, eps,
@@ -149,7 +164,7 @@ if triton is not None:
     @triton.jit
     def _qk_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, start_ptr, pos_ptr,
                               q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, eps, stride_qkv, stride_cb,
-                              stride_ch, stride_eb, stride_eh, NH: tl.constexpr,
+                              stride_ch, stride_vd, stride_eb, stride_eh, NH: tl.constexpr,
                               NKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                               FP8_KV: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)  # b x cache stride can pass 2^31 for big caches
@@ -172,22 +187,20 @@ if triton is not None:
             y1, y2 = _head_norm_rope(x1, x2, kn_ptr, c, s, eps, D, HALF)
             store_kv(kc_ptr + b * stride_cb + (h - NH) * stride_ch + pos * D,
                      ke_ptr + b * stride_eb + (h - NH) * stride_eh + pos, y1, y2, HALF, FP8_KV)
+        elif FP8_KV:  # V^T: the token is column `pos` of a (D, L) tile
+            store_kv(vc_ptr + b * stride_cb + (h - NH - NKV) * stride_ch + pos,
+                     ve_ptr + b * stride_eb + (h - NH - NKV) * stride_eh + pos, x1, x2, HALF,
+                     FP8_KV, stride_vd)
         else:
             store_kv(vc_ptr + b * stride_cb + (h - NH - NKV) * stride_ch + pos * D,
-                     ve_ptr + b * stride_eb + (h - NH - NKV) * stride_eh + pos, x1, x2, HALF,
-                     FP8_KV)
+                     ve_ptr, x1, x2, HALF, FP8_KV)
 
     @triton.jit
-    def _attn_blocks(q, kc_ptr, vc_ptr, ke_ptr, ve_ptr, base, e_base, start, end, lo, hi,
-                     sm_scale, GP: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr,
-                     FP8_KV: tl.constexpr, F16_DOT: tl.constexpr):
+    def _attn_blocks(q, kc_ptr, vc_ptr, base, start, end, lo, hi, sm_scale, GP: tl.constexpr,
+                     D: tl.constexpr, BLOCK_L: tl.constexpr):
         """Online softmax of q (GP, D) over cache slots [max(lo, start), min(hi, end)) walked in
         BLOCK_L blocks from lo (a block boundary): (running max m, sum l, unnormalised acc), fp32.
-        An empty range returns (-inf, 0, 0): the split combine weighs it 0.
-        F16_DOT (FP8 caches only): e4m3 -> fp16 (one conversion instruction per two values on
-        Hopper, where e4m3 -> bf16 takes several) and both dots in fp16, q converted once."""
-        if F16_DOT:
-            q = q.to(tl.float16)
+        An empty range returns (-inf, 0, 0): the split combine weighs it 0. BF16 / FP16 caches."""
         d = tl.arange(0, D)
         m = tl.full((GP,), float("-inf"), tl.float32)
         l_sum = tl.zeros((GP,), tl.float32)
@@ -199,33 +212,84 @@ if triton is not None:
             offs = base + slots[:, None] * D + d[None, :]
             k = tl.load(kc_ptr + offs, mask=valid[:, None], other=0)
             v = tl.load(vc_ptr + offs, mask=valid[:, None], other=0)
-            if FP8_KV:  # e4m3 -> q's dtype is exact; the token scales go onto s and p
-                k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-                v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-                e_offs = e_base + slots
-                k_sc = (tl.load(ke_ptr + e_offs, mask=valid, other=0).to(tl.int32) << 23).to(
-                    tl.float32, bitcast=True)
-                v_sc = (tl.load(ve_ptr + e_offs, mask=valid, other=0).to(tl.int32) << 23).to(
-                    tl.float32, bitcast=True)
-                s = tl.dot(q, tl.trans(k)) * (k_sc * sm_scale)[None, :]
-            else:
-                s = tl.dot(q, tl.trans(k)) * sm_scale
+            s = tl.dot(q, tl.trans(k)) * sm_scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            if FP8_KV:
-                p = p * v_sc[None, :]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         return m, l_sum, acc
 
     @triton.jit
-    def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, o_ptr, start_ptr, pos_ptr,
-                            sm_scale, stride_cb, stride_ch, stride_eb, stride_eh,
-                            G: tl.constexpr, GP: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
-                            BLOCK_L: tl.constexpr, FP8_KV: tl.constexpr, F16_DOT: tl.constexpr):
+    def _kv_scales(e_ptr, mask):
+        """Biased scale exponents (uint8) -> fp32 2**(e - 127) from the bits; 0 where masked."""
+        return (tl.load(e_ptr, mask=mask, other=0).to(tl.int32) << 23).to(tl.float32,
+                                                                          bitcast=True)
+
+    @triton.jit
+    def _attn_blocks_fp8(qt, q_sc, kc_ptr, vc_ptr, ke_ptr, ve_ptr, base, e_base, stride_vd,
+                         start, end, lo, hi, sm_scale, GP: tl.constexpr, D: tl.constexpr,
+                         BLOCK_L: tl.constexpr, QK8: tl.constexpr, PV8: tl.constexpr,
+                         EXACT: tl.constexpr):
+        """`_attn_blocks` over an FP8 cache, transposed: the tile's slots are the MMA's M side
+        (128 of them fill Hopper's 64-row FP8 MMA, where the 2 query heads of a KV head would
+        fill 2 of 16 rows), so s^T = K q^T and acc^T += V^T p^T. K (L, D) and V^T (D, L) are
+        both K-contiguous for these products: their bytes go from HBM to the tensor cores with
+        no conversion or byte-wise transposition.
+
+        qt: q^T (D, GP), e4m3 with one scale per query head (QK8, scales q_sc) or fp16.
+        PV8: the softmax weights times V's token scales in e4m3, per query head scaled so the
+        largest is 256 (e4m3 keeps 3 mantissa bits down to 2**-14 of it); else fp16 and V
+        converted. Tiles are loaded unmasked (the cache is zeroed at allocation and its writer
+        stores finite bytes only, the cache length is a multiple of BLOCK_L): masked slots get
+        score -inf and weight 0. Returns (m, l, acc^T (D, GP))."""
+        d = tl.arange(0, D)
+        m = tl.full((GP,), float("-inf"), tl.float32)
+        l_sum = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((D, GP), tl.float32)
+        # The scale bytes (one per slot: too small for Triton's async copies) are loaded one
+        # tile ahead, so their latency hides behind a tile's products.
+        slots = lo + tl.arange(0, BLOCK_L)
+        valid = (slots >= start) & (slots < end)
+        k_sc = _kv_scales(ke_ptr + e_base + slots, valid)
+        v_sc = _kv_scales(ve_ptr + e_base + slots, valid)
+        for l0 in range(lo, hi, BLOCK_L):
+            slots = l0 + tl.arange(0, BLOCK_L)
+            valid = (slots >= start) & (slots < end)
+            ahead = slots + BLOCK_L
+            valid_ahead = (ahead >= start) & (ahead < end)
+            k_sc_ahead = _kv_scales(ke_ptr + e_base + ahead, valid_ahead)
+            v_sc_ahead = _kv_scales(ve_ptr + e_base + ahead, valid_ahead)
+            k = tl.load(kc_ptr + base + slots[:, None] * D + d[None, :]).to(tl.float8e4nv,
+                                                                               bitcast=True)
+            vt = tl.load(vc_ptr + base + d[:, None] * stride_vd + slots[None, :]).to(
+                tl.float8e4nv, bitcast=True)
+            if QK8:
+                st = tl.dot(k, qt) * q_sc[None, :]
+            else:
+                st = tl.dot(k.to(tl.float16), qt)
+            st = tl.where(valid[:, None], st * (k_sc * sm_scale)[:, None], float("-inf"))
+            m_new = tl.maximum(m, tl.max(st, axis=0))
+            p = tl.exp(st - m_new[None, :])                        # (BLOCK_L, GP)
+            alpha = tl.exp(m - m_new)
+            l_sum = l_sum * alpha + tl.sum(p, axis=0)
+            pv = p * v_sc[:, None]
+            if PV8:
+                c = tl.maximum(tl.max(pv, axis=0), 1e-30) * (1.0 / 256.0)
+                part = tl.dot(vt, _to_e4m3(pv / c[None, :], EXACT)) * c[None, :]
+            else:
+                part = tl.dot(vt.to(tl.float16), pv.to(tl.float16))
+            acc = acc * alpha[None, :] + part
+            m = m_new
+            k_sc, v_sc = k_sc_ahead, v_sc_ahead
+        return m, l_sum, acc
+
+    @triton.jit
+    def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, start_ptr, pos_ptr, sm_scale,
+                            stride_cb, stride_ch, G: tl.constexpr, GP: tl.constexpr,
+                            NH: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         hk = tl.program_id(1)
         start = tl.load(start_ptr + b)
@@ -234,44 +298,88 @@ if triton is not None:
         d = tl.arange(0, D)
         q_rows = q_ptr + (b * NH + hk * G + g)[:, None] * D + d[None, :]
         q = tl.load(q_rows, mask=g[:, None] < G, other=0.0)
-        m, l_sum, acc = _attn_blocks(q, kc_ptr, vc_ptr, ke_ptr, ve_ptr,
-                                     b * stride_cb + hk * stride_ch, b * stride_eb + hk * stride_eh,
-                                     start, end, (start // BLOCK_L) * BLOCK_L, end, sm_scale,
-                                     GP, D, BLOCK_L, FP8_KV, F16_DOT)
+        m, l_sum, acc = _attn_blocks(q, kc_ptr, vc_ptr, b * stride_cb + hk * stride_ch, start,
+                                     end, (start // BLOCK_L) * BLOCK_L, end, sm_scale, GP, D,
+                                     BLOCK_L)
         out = acc / l_sum[:, None]
         o_rows = o_ptr + (b * NH + hk * G + g)[:, None] * D + d[None, :]
         tl.store(o_rows, out.to(o_ptr.dtype.element_ty), mask=g[:, None] < G)
 
     @triton.jit
-    def _decode_attn_split_kernel(q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, m_ptr, l_ptr, acc_ptr,
-                                  start_ptr, pos_ptr, sm_scale, stride_cb, stride_ch, stride_eb,
-                                  stride_eh, S: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                                  NH: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr,
-                                  FP8_KV: tl.constexpr, F16_DOT: tl.constexpr):
-        """Split `sid` of S of one (row, kv head): the row's blocks [start // BLOCK_L, pos //
+    def _split_range(start, end, sid, S: tl.constexpr, BLOCK_L: tl.constexpr):
+        """Slots [lo, hi) of split `sid` of S: the row's blocks [start // BLOCK_L, (end - 1) //
         BLOCK_L] dealt out evenly and contiguously (counts differ by at most one; splits past
-        the block count get none). Writes its partial (m, l, acc) in fp32."""
+        the block count get none)."""
+        first = start // BLOCK_L
+        blocks = (end - 1) // BLOCK_L + 1 - first
+        lo = (first + sid * blocks // S) * BLOCK_L
+        hi = tl.minimum((first + (sid + 1) * blocks // S) * BLOCK_L, end)
+        return lo, hi
+
+    @triton.jit
+    def _decode_attn_split_kernel(q_ptr, kc_ptr, vc_ptr, m_ptr, l_ptr, acc_ptr, start_ptr,
+                                  pos_ptr, sm_scale, stride_cb, stride_ch, S: tl.constexpr,
+                                  G: tl.constexpr, GP: tl.constexpr, NH: tl.constexpr,
+                                  D: tl.constexpr, BLOCK_L: tl.constexpr):
+        """Split `sid` of S of one (row, kv head) (`_split_range`). Writes its partial (m, l,
+        acc) in fp32."""
         b = tl.program_id(0).to(tl.int64)
         hk = tl.program_id(1)
         sid = tl.program_id(2)
         start = tl.load(start_ptr + b)
         end = tl.load(pos_ptr) + 1
-        first = start // BLOCK_L
-        blocks = (end - 1) // BLOCK_L + 1 - first
-        lo = (first + sid * blocks // S) * BLOCK_L
-        hi = tl.minimum((first + (sid + 1) * blocks // S) * BLOCK_L, end)
+        lo, hi = _split_range(start, end, sid, S, BLOCK_L)
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         q_rows = q_ptr + (b * NH + hk * G + g)[:, None] * D + d[None, :]
         q = tl.load(q_rows, mask=g[:, None] < G, other=0.0)
-        m, l_sum, acc = _attn_blocks(q, kc_ptr, vc_ptr, ke_ptr, ve_ptr,
-                                     b * stride_cb + hk * stride_ch, b * stride_eb + hk * stride_eh,
-                                     start, end, lo, hi, sm_scale, GP, D, BLOCK_L, FP8_KV,
-                                     F16_DOT)
+        m, l_sum, acc = _attn_blocks(q, kc_ptr, vc_ptr, b * stride_cb + hk * stride_ch, start,
+                                     end, lo, hi, sm_scale, GP, D, BLOCK_L)
         part = (b * NH + hk * G + g) * S + sid          # partials laid out (B, NH, S[, D])
         tl.store(m_ptr + part, m, mask=g < G)
         tl.store(l_ptr + part, l_sum, mask=g < G)
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
+
+    @triton.jit
+    def _decode_attn_fp8_kernel(q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, o_ptr, m_ptr, l_ptr,
+                                start_ptr, pos_ptr, sm_scale, stride_cb, stride_ch, stride_vd,
+                                stride_eb, stride_eh, S: tl.constexpr, G: tl.constexpr,
+                                GP: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
+                                BLOCK_L: tl.constexpr, QK8: tl.constexpr, PV8: tl.constexpr,
+                                EXACT: tl.constexpr):
+        """FP8 cache, one (row, kv head) (S = 1: out into o_ptr) or its split `sid` of S
+        (partials m, l into m_ptr, l_ptr and acc into o_ptr, fp32, as the split kernel)."""
+        b = tl.program_id(0).to(tl.int64)
+        hk = tl.program_id(1)
+        start = tl.load(start_ptr + b)
+        end = tl.load(pos_ptr) + 1
+        if S == 1:
+            lo, hi = (start // BLOCK_L) * BLOCK_L, end
+        else:
+            lo, hi = _split_range(start, end, tl.program_id(2), S, BLOCK_L)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        rows = b * NH + hk * G + g
+        qt = tl.load(q_ptr + rows[None, :] * D + d[:, None], mask=g[None, :] < G,
+                     other=0.0).to(tl.float32)                             # q^T (D, GP)
+        q_sc = tl.maximum(tl.max(tl.abs(qt), axis=0), 1e-30) * (1.0 / 448.0)
+        if QK8:
+            qt = _to_e4m3(qt / q_sc[None, :], EXACT)
+        else:
+            qt = qt.to(tl.float16)
+        m, l_sum, acc = _attn_blocks_fp8(qt, q_sc, kc_ptr, vc_ptr, ke_ptr, ve_ptr,
+                                         b * stride_cb + hk * stride_ch,
+                                         b * stride_eb + hk * stride_eh, stride_vd, start, end,
+                                         lo, hi, sm_scale, GP, D, BLOCK_L, QK8, PV8, EXACT)
+        if S == 1:
+            out = acc / l_sum[None, :]
+            tl.store(o_ptr + rows[None, :] * D + d[:, None], out.to(o_ptr.dtype.element_ty),
+                     mask=g[None, :] < G)
+        else:
+            part = rows * S + tl.program_id(2)
+            tl.store(m_ptr + part, m, mask=g < G)
+            tl.store(l_ptr + part, l_sum, mask=g < G)
+            tl.store(o_ptr + part[None, :] * D + d[:, None], acc, mask=g[None, :] < G)
 
     @triton.jit
     def _decode_attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, S: tl.constexpr,
@@ -373,7 +481,8 @@ def qk_norm_rope_cache(qkv: torch.Tensor, qn_w: torch.Tensor, kn_w: torch.Tensor
                        k_exp: torch.Tensor | None = None, v_exp: torch.Tensor | None = None
                        ) -> torch.Tensor:
     """q (B, NH, D); writes k, v of every row into slot `pos` of k_cache / v_cache (B', NKV, L, D).
-    FP8 caches (e4m3) come with their scale exponents k_exp / v_exp (B', NKV, L) uint8."""
+    FP8 caches (e4m3) come with their scale exponents k_exp / v_exp (B', NKV, L) uint8, and
+    v_cache transposed: (B', NKV, D, L)."""
     if impl == "torch":
         return _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, eps,
                          k_exp, v_exp)
@@ -385,8 +494,8 @@ def qk_norm_rope_cache(qkv: torch.Tensor, qn_w: torch.Tensor, kn_w: torch.Tensor
     ke, ve = (k_exp, v_exp) if fp8 else (kc, vc)
     _qk_rope_cache_kernel[(b, nh + 2 * nkv)](
         qkv, qn_w, kn_w, cos, sin, start, pos, q, kc, vc, ke, ve, eps, qkv.stride(0),
-        k_cache.stride(0), k_cache.stride(1), ke.stride(0), ke.stride(1), NH=nh, NKV=nkv, D=d,
-        HALF=d // 2, FP8_KV=fp8)
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(2), ke.stride(0), ke.stride(1),
+        NH=nh, NKV=nkv, D=d, HALF=d // 2, FP8_KV=fp8)
     return q
 
 
@@ -418,22 +527,31 @@ def decode_splits(rows: int, kv_heads: int, context: int, block_l: int = 64,
     return max(1, min(by_fill, by_context, MAX_SPLITS))
 
 
+def fp8_mma_supported(device: torch.device) -> bool:
+    """e4m3 tensor-core products: NVIDIA compute capability 8.9 and up (Ada, Hopper, Blackwell).
+    Elsewhere (older GPUs, ROCm, the interpreter's default) the FP8 decode attention converts to
+    fp16 and runs fp16 products."""
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      start: torch.Tensor, pos: torch.Tensor, sm_scale: float,
                      impl: str = "torch", block_l: int = 64, k_exp: torch.Tensor | None = None,
                      v_exp: torch.Tensor | None = None, splits: int | None = 1,
-                     f16_dot: bool = False, num_warps: int | None = None,
+                     fp8_mma: tuple[bool, bool] | None = None, num_warps: int | None = None,
                      num_stages: int | None = None) -> torch.Tensor:
     """(B, NH, D) attention output of one query per row over slots [start[b], pos]; FP8 caches
-    with their scale exponents (see `qk_norm_rope_cache`).
+    with their scale exponents and V transposed (see `qk_norm_rope_cache`).
 
     `splits` (triton): 1 = one program per (row, kv head) walks the whole context; S > 1 =
     split-K ("flash-decoding"): S programs per (row, kv head) each over a contiguous share of
     the context's blocks, then a combine kernel; None = `decode_splits` for this batch and the
     cache length. The torch reference ignores it.
-    `f16_dot` (FP8 caches): dequantise to fp16 and run the dots in fp16 instead of q's dtype
-    (q must fit fp16's range). `num_warps` / `num_stages`: Triton's launch options (None: its
-    defaults); `bench.decode_attention` sweeps them."""
+    FP8 caches (triton): `fp8_mma` = (QK, PV) products in e4m3 (`_attn_blocks_fp8`; PV only
+    with block_l >= 32), None = both where `fp8_mma_supported`; the cache length must be a
+    multiple of `block_l` (KVCache pads it). `num_warps` / `num_stages`: Triton's launch options (None: its defaults);
+    `bench.decode_attention` sweeps them."""
     if impl == "torch":
         return _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp, v_exp)
     b, nh, d = q.shape
@@ -442,25 +560,38 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if splits is None:
         splits = decode_splits(b, nkv, k_cache.shape[2], block_l)
     out = torch.empty_like(q)
-    fp8 = k_exp is not None
-    kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
-    ke, ve = (k_exp, v_exp) if fp8 else (kc, vc)
-    strides = (k_cache.stride(0), k_cache.stride(1), ke.stride(0), ke.stride(1))
-    consts = dict(G=g, GP=max(16, _next_pow2(g)), NH=nh, D=d, BLOCK_L=block_l, FP8_KV=fp8,
-                  F16_DOT=fp8 and f16_dot)
+    consts = dict(G=g, GP=max(16, _next_pow2(g)), NH=nh, D=d, BLOCK_L=block_l)
     consts.update({k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages))
                    if v is not None})
-    if splits == 1:
-        _decode_attn_kernel[(b, nkv)](q, kc, vc, ke, ve, out, start, pos, sm_scale, *strides,
-                                      **consts)
+    m = l_sum = acc = None
+    if splits > 1:
+        m = torch.empty(b, nh, splits, dtype=torch.float32, device=q.device)
+        l_sum = torch.empty_like(m)
+        acc = torch.empty(b, nh, splits, d, dtype=torch.float32, device=q.device)
+    if k_exp is not None:
+        length = k_cache.shape[2]
+        if length % block_l or v_cache.shape[2:] != (d, length):
+            raise ValueError(f"decode_attention: an FP8 cache needs V as (rows, kv heads, {d}, "
+                             f"L) and L a multiple of block_l {block_l}; got K "
+                             f"{tuple(k_cache.shape)}, V {tuple(v_cache.shape)}")
+        qk8, pv8 = fp8_mma if fp8_mma is not None else (fp8_mma_supported(q.device),) * 2
+        pv8 = pv8 and block_l >= 32             # an e4m3 MMA reduces over 32 at a time
+        _decode_attn_fp8_kernel[(b, nkv, splits)](
+            q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_exp, v_exp,
+            out if splits == 1 else acc, m, l_sum, start, pos, sm_scale, k_cache.stride(0),
+            k_cache.stride(1), v_cache.stride(2), k_exp.stride(0), k_exp.stride(1), S=splits,
+            QK8=qk8, PV8=pv8, EXACT=_INTERPRETED, **consts)
+    elif splits == 1:
+        _decode_attn_kernel[(b, nkv)](q, k_cache, v_cache, out, start, pos, sm_scale,
+                                      k_cache.stride(0), k_cache.stride(1), **consts)
         return out
-    m = torch.empty(b, nh, splits, dtype=torch.float32, device=q.device)
-    l_sum = torch.empty_like(m)
-    acc = torch.empty(b, nh, splits, d, dtype=torch.float32, device=q.device)
-    _decode_attn_split_kernel[(b, nkv, splits)](q, kc, vc, ke, ve, m, l_sum, acc, start, pos,
-                                                sm_scale, *strides, S=splits, **consts)
-    _decode_attn_combine_kernel[(b * nh,)](m, l_sum, acc, out, S=splits,
-                                           SP=_next_pow2(splits), D=d)
+    else:
+        _decode_attn_split_kernel[(b, nkv, splits)](q, k_cache, v_cache, m, l_sum, acc, start,
+                                                    pos, sm_scale, k_cache.stride(0),
+                                                    k_cache.stride(1), S=splits, **consts)
+    if splits > 1:
+        _decode_attn_combine_kernel[(b * nh,)](m, l_sum, acc, out, S=splits,
+                                               SP=_next_pow2(splits), D=d)
     return out
 
 

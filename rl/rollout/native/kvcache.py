@@ -1,6 +1,10 @@
 """The `native` engine's static KV cache: model-dtype rows, or FP8 (`rollout.kv_cache_dtype: fp8`).
 
 Layout: K and V each (layers, rows, NKV, L, D); row b holds one sequence, slot j one token.
+An FP8 cache stores V transposed, (layers, rows, NKV, D, L), and pads L to a multiple of
+`FP8_SLOT_ALIGN`: its decode attention reads K and V^T tiles of 128 slots straight into e4m3
+tensor-core products (`kernels._attn_blocks_fp8`), unmasked, so every tile lies inside the
+cache and every byte is a finite e4m3 (the cache starts zeroed; both writers store NaN as 0).
 
 FP8: e4m3 values plus one scale per (layer, row, kv head, slot), i.e. per token and kv head,
 stored as one byte: the biased exponent of a power-of-two scale (e8m0, scale = 2**(e - 127)).
@@ -29,10 +33,13 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 FP8_MAX = 448.0
 _BIAS = 127
+FP8_SLOT_ALIGN = 128
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., D) float -> (e4m3 (..., D), biased scale exponents uint8 (...))."""
+    """x (..., D) float -> (e4m3 (..., D), biased scale exponents uint8 (...)). NaN is stored
+    as 0 (an FP8 cache holds finite bytes only, see the module docstring)."""
+    x = torch.nan_to_num(x.float(), nan=0.0, posinf=float("inf"), neginf=float("-inf"))
     amax = x.detach().abs().amax(-1).float().clamp(min=1e-30)
     mant, exp = torch.frexp(amax / FP8_MAX)                  # r = mant * 2**exp, mant in [.5, 1)
     exp = torch.where(mant == 0.5, exp - 1, exp)             # ceil(log2(r)): 2**exp >= r
@@ -51,20 +58,28 @@ def dequantize_kv(x8: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """K and V for `rows` sequences of `max_len` slots, allocated once (CUDA graphs keep
-    pointers into it). `k_exp` / `v_exp` (layers, rows, NKV, L) uint8 exist with `fp8` only."""
+    """K and V for `rows` sequences of `max_len` slots (FP8: `slots(max_len, True)`), allocated
+    once (CUDA graphs keep pointers into it). FP8: V transposed, and `k_exp` / `v_exp`
+    (layers, rows, NKV, L) uint8."""
 
     def __init__(self, layers: int, rows: int, nkv: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, fp8: bool):
-        dims = (layers, rows, nkv, max_len, head_dim)
+        length = self.slots(max_len, fp8)
+        dims = (layers, rows, nkv, length, head_dim)
         store = torch.float8_e4m3fn if fp8 else dtype
         self.fp8, self.rows = fp8, rows
         self.k = torch.zeros(dims, dtype=store, device=device)
-        self.v = torch.zeros(dims, dtype=store, device=device)
+        self.v = torch.zeros((layers, rows, nkv, head_dim, length) if fp8 else dims,
+                             dtype=store, device=device)
         self.k_exp = self.v_exp = None
         if fp8:
             self.k_exp = torch.full(dims[:-1], _BIAS, dtype=torch.uint8, device=device)
             self.v_exp = torch.full(dims[:-1], _BIAS, dtype=torch.uint8, device=device)
+
+    @staticmethod
+    def slots(max_len: int, fp8: bool) -> int:
+        """Slots per row: max_len, FP8 rounded up to a multiple of FP8_SLOT_ALIGN."""
+        return -(-max_len // FP8_SLOT_ALIGN) * FP8_SLOT_ALIGN if fp8 else max_len
 
     @staticmethod
     def bytes_per_token(layers: int, nkv: int, head_dim: int, dtype_bytes: int,
@@ -74,7 +89,8 @@ class KVCache:
                                    KV_FP8_SCALE_BYTES if fp8 else 0)
 
     def layer(self, i: int) -> tuple[torch.Tensor, ...]:
-        """(k, v, k_exp, v_exp) of layer i, each (rows, NKV, L[, D]); exps None without fp8."""
+        """(k, v, k_exp, v_exp) of layer i, each (rows, NKV, L[, D]) (FP8 v: (rows, NKV, D, L));
+        exps None without fp8."""
         if not self.fp8:
             return self.k[i], self.v[i], None, None
         return self.k[i], self.v[i], self.k_exp[i], self.v_exp[i]
@@ -86,10 +102,9 @@ class KVCache:
             self.k[i, :b, :, :width] = k
             self.v[i, :b, :, :width] = v
             return
-        for x, data, exp in ((k, self.k, self.k_exp), (v, self.v, self.v_exp)):
-            x8, e = quantize_kv(x)
-            data[i, :b, :, :width] = x8
-            exp[i, :b, :, :width] = e
+        (k8, ke), (v8, ve) = quantize_kv(k), quantize_kv(v)
+        self.k[i, :b, :, :width], self.k_exp[i, :b, :, :width] = k8, ke
+        self.v[i, :b, :, :, :width], self.v_exp[i, :b, :, :width] = v8.transpose(-1, -2), ve
 
 
 # The Triton side of `quantize_kv`, called by the cache-writing kernel in `kernels`.
@@ -104,10 +119,15 @@ if triton is not None:
         return tl.where(tl.abs(y) >= 0.015625, bits.to(tl.float32, bitcast=True), y)
 
     @triton.jit
-    def store_kv(dst, exp_dst, y1, y2, HALF: tl.constexpr, FP8_KV: tl.constexpr):
-        """Write one head's halves (fp32): in dst's dtype, or as e4m3 bytes + scale exponent."""
+    def store_kv(dst, exp_dst, y1, y2, HALF: tl.constexpr, FP8_KV: tl.constexpr, step=None):
+        """Write one head's halves (fp32): in dst's dtype, or as e4m3 bytes + scale exponent;
+        element i at dst + i, or at dst + i * step (FP8 V^T: a column of a (D, L) tile).
+        NaN is stored as 0: the decode attention loads whole tiles unmasked, and every byte of
+        an FP8 cache must be a finite e4m3 (inf saturates to +-448)."""
         d = tl.arange(0, HALF)
         if FP8_KV:
+            y1 = tl.where(y1 == y1, y1, 0.0)
+            y2 = tl.where(y2 == y2, y2, 0.0)
             amax = tl.maximum(tl.maximum(tl.max(tl.abs(y1), axis=0), tl.max(tl.abs(y2), axis=0)),
                               1e-30)
             # scale = 2**ceil(log2(amax / 448)) from amax's bits, no division: amax = m * 2**E,
@@ -119,8 +139,12 @@ if triton is not None:
             inv = ((254 - exp) << 23).to(tl.float32, bitcast=True)
             q1 = _e4m3_round(tl.minimum(tl.maximum(y1 * inv, -448.0), 448.0))
             q2 = _e4m3_round(tl.minimum(tl.maximum(y2 * inv, -448.0), 448.0))
-            tl.store(dst + d, q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
-            tl.store(dst + HALF + d, q2.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+            if step is None:
+                tl.store(dst + d, q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+                tl.store(dst + HALF + d, q2.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+            else:
+                tl.store(dst + d * step, q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+                tl.store(dst + (HALF + d) * step, q2.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
             tl.store(exp_dst, exp.to(tl.uint8))
         else:
             ty = dst.dtype.element_ty

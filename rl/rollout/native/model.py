@@ -92,16 +92,11 @@ class Shape:
 def attention_settings(fp8_kv: bool, splits: int) -> dict:
     """`decode_attention`'s keyword settings the engine uses for a cache dtype and split count.
 
-    FP8 KV cache: e4m3 -> fp16 dots (q is RMS-normed, far inside fp16's range; fp16 keeps 3 more
-    mantissa bits of the softmax weights than bf16), and in one pass 128-slot tiles and 8 warps:
-    the fastest of bench.decode_attention's sweep on H200 at 256 x 1,024, 64 x 1,024 and
-    16 x 4,096 (0.90 / 0.89 / 0.60 of the time of the bf16-dot defaults). Split-K keeps its
-    tiles; its fp16 dot runs 1.00-1.05x the bf16 one's time there, and split and single then
-    round alike (tests/gpu: split vs single log-probs). BF16 cache: the defaults.
+    FP8 KV cache: 128-slot tiles (the FP8 kernel's slots fill the tensor cores' 64-row side;
+    KVCache pads the cache to a multiple of 128), e4m3 products where the GPU has them.
+    BF16 cache: the defaults.
     """
-    if not fp8_kv:
-        return {}
-    return dict(f16_dot=True) if splits > 1 else dict(block_l=128, num_warps=8, f16_dot=True)
+    return dict(block_l=128) if fp8_kv else {}
 
 
 class NativeQwen3:
@@ -115,6 +110,8 @@ class NativeQwen3:
         """`rollout.decode_attention`: auto, single or split (see `attention_splits`)."""
         self.fixed_splits: int | None = None
         """Benchmarks: this many context splits whatever `decode_attention` says (None: off)."""
+        self.fp8_mma: tuple[bool, bool] | None = None
+        """Tests: the FP8-cache attention's (QK, PV) e4m3 products (None: the kernel's choice)."""
         self.fp8, self.kv_fp8 = fp8, kv_fp8
         self.routes: dict[int, torch.Tensor] = {}
         """MoE layer -> (T, top_k) expert ids of the last forward through it."""
@@ -255,7 +252,7 @@ class NativeQwen3:
         s = self.s
         per_token = KVCache.bytes_per_token(s.layers, s.nkv, s.head_dim,
                                             torch.finfo(self.dtype).bits // 8, self.kv_fp8)
-        return rows * self.max_len * per_token
+        return rows * KVCache.slots(self.max_len, self.kv_fp8) * per_token
 
     def _free_bytes(self) -> int | None:
         """Device bytes a new allocation can take (None off CUDA: no check)."""
@@ -377,6 +374,8 @@ class NativeQwen3:
         b = tokens.shape[0]
         splits = self.attention_splits(b)
         attn = attention_settings(self.cache.fp8, splits)
+        if self.cache.fp8 and self.fp8_mma is not None:
+            attn["fp8_mma"] = self.fp8_mma
         x = F.embedding(tokens, self.tensors["embed"])
         resid = None
         for i in range(s.layers):

@@ -21,7 +21,9 @@ def test_triton_kernels_match_torch_references_in_the_interpreter():
     assert "decode attention block_l=16" in proc.stdout and "grouped fp8" in proc.stdout
     assert "fp8 kv decode attention block_l=16" in proc.stdout
     assert "split decode attention splits=5" in proc.stdout and "fp8 kv split 4" in proc.stdout
-    assert "long split None fp8 kv vs single" in proc.stdout
+    for mma in ("(True, True)", "(False, False)"):
+        assert f"long split None fp8 kv mma {mma} vs single" in proc.stdout
+    assert "fp8_mma=(True, False)" in proc.stdout
 
 
 def test_decode_splits_fill_the_gpu_only_when_rows_x_heads_do_not():

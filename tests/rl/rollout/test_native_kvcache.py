@@ -55,7 +55,8 @@ def test_decode_attention_over_fp8_cache_is_close_to_full_precision():
     pos = torch.tensor([length - 1], dtype=torch.int32)
     (k8, ke), (v8, ve) = quantize_kv(k), quantize_kv(v)
     ref = K.decode_attention(q, k, v, start, pos, d ** -0.5, "torch")
-    out = K.decode_attention(q, k8, v8, start, pos, d ** -0.5, "torch", k_exp=ke, v_exp=ve)
+    out = K.decode_attention(q, k8, v8.transpose(-1, -2), start, pos, d ** -0.5, "torch",
+                             k_exp=ke, v_exp=ve)                       # FP8 V is stored (D, L)
     rel = ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
     assert 0 < rel < 0.06, rel                               # measured 0.039 (mean 0.030)
 
@@ -78,11 +79,15 @@ def test_the_cache_holds_twice_the_sequences_and_the_planner_agrees():
     with pytest.raises(ValueError, match=r"rollout.max_batch_size: a KV cache for 8 sequences "
                                          r".* at most 5 fit \(rollout.kv_cache_dtype: fp8"):
         models[False].ensure_cache(8)
-    # What the allocation really takes.
-    cache = KVCache(2, 3, 8, 16, 128, torch.bfloat16, torch.device("cpu"), fp8=True)
+    # What the allocation really takes: FP8 rows padded to whole 128-slot tiles, V transposed.
+    cache = KVCache(2, 3, 8, 200, 128, torch.bfloat16, torch.device("cpu"), fp8=True)
     allocated = sum(t.numel() * t.element_size() for t in (cache.k, cache.v, cache.k_exp,
                                                             cache.v_exp))
-    assert allocated == 3 * 16 * KVCache.bytes_per_token(2, 8, 128, 2, True)
+    assert allocated == 3 * 256 * KVCache.bytes_per_token(2, 8, 128, 2, True)
+    assert cache.k.shape == (2, 3, 8, 256, 128) and cache.v.shape == (2, 3, 8, 128, 256)
+    padded = NativeQwen3(shape, torch.device("meta"), torch.bfloat16, False, None, 1100, "torch",
+                         kv_fp8=True)
+    assert padded.cache_bytes(1) == per_seq[True]      # 1,100 slots hold 1,152 (9 tiles)
 
     config = {"model_type": "qwen3", "vocab_size": 256, "hidden_size": 128,
               "intermediate_size": 256, "num_hidden_layers": 28, "num_attention_heads": 16,
