@@ -43,6 +43,7 @@ GROUPS = (("attention", ("decode_attn", "attention", "sdpa", "flash")),
           ("silu", ("silu",)),
           ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "_linear_kernel", "grouped", "mma",
                     "matmul", "addmm", "aten::mm", "aten::bmm", "scaled_mm")),
+          ("fp8 activation quant", ("act_quant",)),
           ("sampling", ("softmax", "exponential", "multinomial", "argmax", "topk", "sort",
                         "log_softmax", "gather", "div", "isin", "max")))
 

@@ -1,14 +1,17 @@
 """The decode GEMMs of the native engine, FP8 against BF16: which FP8 path can pay (issue 16).
 
 At decode every linear is a skinny GEMM (M = batch rows, K and N the model's), bound by reading
-the weight. FP8 halves those bytes, so its ceiling is ~2x BF16's at small M; today the engine's
-FP8 rollout is slower than BF16 (bench/results/rollout.md). This measures, per shape, side by
-side in one run:
+the weight. FP8 halves those bytes, so its ceiling is ~2x BF16's at small M; at Qwen3-0.6B's shapes
+every GEMM sits at a latency floor instead (bench/results/rollout.md: the FP8-weight engine is
+0.83-0.95x the BF16 one). This measures, per shape, side by side in one run:
 - `bf16`: F.linear on the BF16 weight (cuBLAS), the BF16 engine's path;
 - `w8a16 (ours)`: `rl.rollout.native.kernels.w8a16_linear`, the FP8 engine's Triton kernel
   (e4m3 weight with 128x128 block scales, dequantised in the kernel, BF16 activations);
 - `w8a8 _scaled_mm`: cuBLAS FP8 GEMM via `torch._scaled_mm`, weight rowwise-scaled e4m3 and
   activations quantised per token (the quantisation kernel is timed with it: `+quant`);
+- `w8a8 block`: `rl.rollout.native.kernels.w8a8_linear`, the engine's block-FP8 weight as it is
+  (128x128 scales) times activations in 1x128 blocks, cuBLAS's DeepSeek-style block-scaled
+  GEMM; `w8a8 block` alone on pre-quantised activations, `+quant` with our Triton quantiser;
 - the roofline: weight bytes / measured HBM copy bandwidth (what a weight-bound GEMM can reach).
 Times: 64 calls captured in one CUDA graph (as the engine's decode runs them; no launch
 latency), median over replays; the weights rotate through 16 copies (more than L2 holds) so
@@ -138,6 +141,18 @@ def case(m: int, n: int, k: int, device: str, smoke: bool, do_sweep: bool = Fals
         out["w8a8_quant"] = time_cuda(quant_and_mm)
     except (RuntimeError, TypeError) as e:  # an unsupported scaling mode is a result
         out["w8a8_error"] = str(e).splitlines()[0][:120]
+    if K.w8a8_supported(n, k, x.device):
+        got = K.w8a8_linear(x, wq[0], ws[0], impl="triton").float()
+        out["w8a8_block_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+        emu = K.w8a8_linear(x, wq[0], ws[0], impl="torch").float()
+        out["w8a8_block_vs_emulation"] = ((got - emu).norm() / emu.norm()).item()
+        xq8, sx8 = K.act_quant(x, "triton")
+        out["w8a8_block"] = time_cuda(lambda: torch._scaled_mm(
+            xq8, wq[(j := next(it) % rot)].view(torch.float8_e4m3fn).t(), scale_a=sx8,
+            scale_b=ws[j].t(), out_dtype=torch.bfloat16))
+        out["w8a8_block_quant"] = time_cuda(lambda: K.w8a8_linear(
+            x, wq[(j := next(it) % rot)], ws[j], impl="triton"))
+        out["act_quant"] = time_cuda(lambda: K.act_quant(x, "triton"))
     return out
 
 
@@ -159,12 +174,15 @@ def main() -> None:
             r = case(m, n, k, device, args.smoke, args.sweep)
             row = {"shape": name, "M": m, "N": n, "K": k, **{
                 f"{key} us": v * 1e6 for key, v in r.items()
-                if key in ("bf16", "w8a16", "w8a16_best", "w8a8", "w8a8_quant")
+                if key in ("bf16", "w8a16", "w8a16_best", "w8a8", "w8a8_quant", "w8a8_block",
+                           "w8a8_block_quant", "act_quant")
                 and v is not None}}
             if "best_tiles" in r:
                 row["best tiles"] = " ".join(f"{a}={b}" for a, b in r["best_tiles"].items())
             row["w8a16 err"] = r.get("w8a16_rel_err")
             row["w8a8 err"] = r.get("w8a8_rel_err")
+            row["w8a8 block err"] = r.get("w8a8_block_rel_err")
+            row["w8a8 block vs emulation"] = r.get("w8a8_block_vs_emulation")
             if bw:
                 row["roofline bf16 us"] = n * k * 2 / (bw * 1e9) * 1e6
                 row["roofline fp8 us"] = n * k / (bw * 1e9) * 1e6
@@ -174,17 +192,24 @@ def main() -> None:
                 if "w8a8" in r:
                     row["w8a8 / bf16"] = r["bf16"] / r["w8a8"]
                     row["w8a8+quant / bf16"] = r["bf16"] / r["w8a8_quant"]
+                if "w8a8_block" in r:
+                    row["w8a8 block / bf16"] = r["bf16"] / r["w8a8_block"]
+                    row["w8a8 block+quant / bf16"] = r["bf16"] / r["w8a8_block_quant"]
             if "w8a8_error" in r:
                 row["note"] = r["w8a8_error"]
             rows.append(row)
     cols = ["shape", "M", "N", "K", "bf16 us", "w8a16 us", "w8a16_best us", "w8a8 us",
-            "w8a8_quant us", "roofline bf16 us", "roofline fp8 us", "w8a16 / bf16",
+            "w8a8_quant us", "w8a8_block us", "w8a8_block_quant us", "act_quant us",
+            "roofline bf16 us", "roofline fp8 us", "w8a16 / bf16",
             "w8a16 best / bf16", "best tiles", "w8a8 / bf16",
-            "w8a8+quant / bf16", "w8a16 err", "w8a8 err", "note"]
+            "w8a8+quant / bf16", "w8a8 block / bf16", "w8a8 block+quant / bf16", "w8a16 err",
+            "w8a8 err", "w8a8 block err", "w8a8 block vs emulation", "note"]
     notes = ["x / bf16 columns: speed-up over BF16 (>1 = FP8 faster); err: relative Frobenius "
              "error against the BF16 GEMM (FP8 rounding of weight, and for w8a8 of activations)",
-             "w8a8 scales: rowwise weight (the engine stores 128x128 blocks; a block-scaled "
-             "cuBLAS path would differ in its scale reads only)"]
+             "w8a8: rowwise weight scales and per-token activation scales (cuBLAS / CUTLASS "
+             "rowwise); w8a8 block: the engine's path, its 128x128 weight scales as they are and "
+             "1x128 activation blocks (cuBLAS block-scaled); vs emulation: against the same "
+             "quantised operands multiplied in fp32"]
     if bw:
         notes.append(f"HBM copy bandwidth measured here: {bw:,.0f} GB/s")
     name = "fp8_gemm_sweep" if args.sweep else "fp8_gemm"

@@ -22,17 +22,24 @@ Ops (shapes: B rows, NH query heads, NKV kv heads, D head dim, L cache length):
   e4m3, fp32 128x128 block scales) dequantised in registers: the weight crosses HBM as 1 byte.
 - `grouped_linear(x (R, K), w (E, N, K), scale, offs (E+1,))`: rows offs[e]:offs[e+1] of x (sorted
   by expert) times expert e's weight; FP8 (with scales) or plain BF16 weights.
+- `act_quant(x (M, K))`: e4m3 with one scale per row and 128 columns (DeepSeek's 1x128 blocks),
+  the scales laid out as cuBLAS's block-scaled GEMM reads them.
+- `w8a8_linear(x (M, K), w (N, K), scale)`: `act_quant(x)` times the block-FP8 weight in e4m3
+  on the tensor cores (`torch._scaled_mm`, 1x128 x 128x128 block scales; Hopper, CUDA 12.9+).
 
 The Triton interpreter (TRITON_INTERPRET=1) runs these on CPU tensors for the unit tests, with
 fp16 activations: it mishandles bf16 dots (numpy has no bf16). On GPU they run in bf16.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
+import torch.nn.functional as F
 
-from rl.quant.block_fp8 import DEFAULT_BLOCK, dequantize_weight_block
+from rl.quant.block_fp8 import (DEFAULT_BLOCK, dequantize_act_group, dequantize_weight_block,
+                                quantize_act_group)
 from rl.rollout.native.kvcache import dequantize_kv, quantize_kv
 
 try:  # Triton is optional: the CPU engine never needs it
@@ -398,6 +405,22 @@ if triton is not None:
         tl.store(o_ptr + bh * D + d, out.to(o_ptr.dtype.element_ty))
 
     @triton.jit
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, NB: tl.constexpr, NBP: tl.constexpr,
+                          EXACT: tl.constexpr):
+        """Row `row` of x (M, K): its NB blocks of 128 as e4m3 into q, scales amax / 448 into
+        s (NB, M) (column `row`)."""
+        row = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, NBP)
+        c = tl.arange(0, 128)
+        mask = (blk < NB)[:, None]
+        offs = row * K + blk[:, None] * 128 + c[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) * (1.0 / 448.0)
+        q = _to_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0), EXACT)
+        tl.store(q_ptr + offs, q.to(tl.uint8, bitcast=True), mask=mask)
+        tl.store(s_ptr + blk * M + row, scale, mask=blk < NB)
+
+    @triton.jit
     def _silu_mul_kernel(x_ptr, y_ptr, I, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -649,6 +672,57 @@ def w8a16_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
         x, w, scale if fp8 else w, y, m, n, k, scale.stride(0) if fp8 else 0, per * bk,
         FP8=fp8, BM=bm, BN=bn, BK=bk, **launch)
     return y.sum(0).to(x.dtype) if split > 1 else y
+
+
+def act_quant(x: torch.Tensor, impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K), K a multiple of 128 -> (e4m3 (M, K), fp32 scales (M, K / 128)): one scale per
+    row and 128 columns (`quantize_act_group`'s), the scales column-major (stride (1, M)), the
+    layout `torch._scaled_mm` reads 1x128 block scales in."""
+    m, k = x.shape
+    if k % DEFAULT_BLOCK:
+        raise ValueError(f"act_quant: K must be a multiple of {DEFAULT_BLOCK}, got {k}")
+    if impl == "torch":
+        x8, sc = quantize_act_group(x)
+        return x8, sc.t().contiguous().t()
+    nb = k // DEFAULT_BLOCK
+    q = torch.empty(m, k, dtype=torch.uint8, device=x.device)
+    sc = torch.empty(nb, m, dtype=torch.float32, device=x.device)
+    _act_quant_kernel[(m,)](x, q, sc, m, k, NB=nb, NBP=_next_pow2(nb), EXACT=_INTERPRETED)
+    return q.view(torch.float8_e4m3fn), sc.t()
+
+
+@functools.cache
+def _block_scaled_fp8_gemm(device: torch.device) -> bool:
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return (device.type == "cuda" and torch.version.hip is None and cuda >= (12, 9)
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
+def w8a8_supported(n: int, k: int, device: torch.device) -> bool:
+    """Whether `w8a8_linear` runs an (N, K) weight here: cuBLAS's block-scaled FP8 GEMM (Hopper,
+    CUDA >= 12.9; PyTorch offers it for sm_90 only) with K a multiple of 512 (whole 128-blocks,
+    their count a multiple of 4: the weight scales are then read in place) and N of 128."""
+    return k % 512 == 0 and n % DEFAULT_BLOCK == 0 and _block_scaled_fp8_gemm(device)
+
+
+def w8a8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                impl: str = "torch") -> torch.Tensor:
+    """x (M, K) @ deq(w (N, K)).T -> (M, N) in x's dtype, with x quantised by `act_quant`:
+    both operands e4m3 on the tensor cores. `w` uint8 (e4m3 bytes), `scale` fp32
+    (N / 128, K / 128) (see `w8a8_supported`). The torch path emulates it (dequantised
+    operands, fp32 product)."""
+    m = x.shape[0]
+    if impl != "torch" and m % 4:       # cuBLAS wants M a multiple of 4: zero rows, cut off
+        return w8a8_linear(F.pad(x, (0, 0, 0, 4 - m % 4)), w, scale, impl)[:m]
+    x8, sx = act_quant(x, impl)
+    if impl == "torch":
+        xf = dequantize_act_group(x8, sx)
+        wf = dequantize_weight_block(w.view(torch.float8_e4m3fn), scale, DEFAULT_BLOCK,
+                                     torch.float32)
+        return (xf @ wf.t()).to(x.dtype)
+    # 128x128 weight scales as cuBLAS reads them: (K / 128, N / 128), stride (1, K / 128)
+    return torch._scaled_mm(x8, w.view(torch.float8_e4m3fn).t(), scale_a=sx,
+                            scale_b=scale.t(), out_dtype=x.dtype)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,

@@ -184,6 +184,23 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
         close(f"linear fp16 {m}x{k}x{n}", K.w8a16_linear(xm, wf, None, "triton"),
               K.w8a16_linear(xm, wf, None, "torch"), 5e-3 * tl_scale)
 
+    # Activation quantisation for the W8A8 GEMM: 1x128 blocks, scales column-major.
+    xa = r(6, 384).to(DT) * torch.tensor([1.0, 1e-3, 30.0], device=device).repeat_interleave(128)
+    q8, sq = K.act_quant(xa, "triton")
+    q8_ref, sq_ref = K.act_quant(xa, "torch")
+    assert sq.shape == (6, 3) and sq.stride() == (1, 6), sq.stride()
+    close("act quant scales", sq, sq_ref, 1e-6)
+    from rl.quant.block_fp8 import dequantize_act_group
+    close("act quant values", dequantize_act_group(q8, sq), xa.float(), 0.07)
+    assert (q8.view(torch.uint8) == q8_ref.view(torch.uint8)).float().mean() > 0.99
+    if K.w8a8_supported(256, 512, torch.device(device)):   # Hopper, CUDA 12.9+ (GPU run)
+        w8, sc = quantize_weight_block(r(256, 512))
+        for m in (64, 7):                                      # 7 rows: padded to 8 inside
+            xm = r(m, 512).to(DT)
+            close(f"w8a8 {m}x512x256 vs its emulation",
+                  K.w8a8_linear(xm, w8.view(torch.uint8), sc, "triton"),
+                  K.w8a8_linear(xm, w8.view(torch.uint8), sc, "torch"), 1e-2)
+
     e, n, k = 4, 160, 128
     counts = [3, 0, 20, 1]
     offs = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32,
