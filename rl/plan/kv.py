@@ -36,6 +36,13 @@ DS_MLA_ENTRY_BYTES = 584
 _DS_MLA_NAMES = ("auto", "fp8", "fp8_ds_mla")
 KV_FP8_SCALE_BYTES = 1
 """The native engine's FP8 cache: one power-of-two scale byte per (token, KV head) of K and V."""
+KV_FP8_SLOT_ALIGN = 128
+"""The native engine's FP8 cache rows hold whole 128-slot tiles of its decode attention."""
+
+
+def native_fp8_slots(max_len: int) -> int:
+    """Slots of one native-engine FP8 cache row: max_len rounded up to `KV_FP8_SLOT_ALIGN`."""
+    return -(-max_len // KV_FP8_SLOT_ALIGN) * KV_FP8_SLOT_ALIGN
 
 
 @dataclass(frozen=True, slots=True)

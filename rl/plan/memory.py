@@ -26,7 +26,7 @@ from rl.config import Config
 from rl.models.attention import EAGER_ONLY, attention_kernel
 from rl.plan import activations
 from rl.plan.arch import Arch, fp8_bytes, fp8_eligible
-from rl.plan.kv import KV_FP8_SCALE_BYTES, KVLayout, kv_layout
+from rl.plan.kv import KV_FP8_SCALE_BYTES, KVLayout, kv_layout, native_fp8_slots
 
 GiB = 2**30
 BUCKET_ELEMS = 5e8            # DeepSpeed reduce_bucket_size / allgather_bucket_size defaults
@@ -285,7 +285,10 @@ def plan_rollout(cfg: Config, arch: Arch) -> GroupPlan:
     else:  # vLLM-CPU: weights in RAM, the KV cache is a fixed `cpu_kvcache_gb`
         budget, overhead = None, 0.0
     room = (budget - weights - overhead) if on_gpu else r.cpu_kvcache_gb * GiB
-    seq_bytes = kv.sequence_bytes(r.max_model_len)
+    # the native engine's FP8 cache pads each row to whole attention tiles
+    native_fp8 = fp8_kv and r.engine == "native"
+    seq_bytes = kv.sequence_bytes(native_fp8_slots(r.max_model_len) if native_fp8
+                                  else r.max_model_len)
     concurrent = max(int(room // seq_bytes), 0) if room > 0 else 0
     fmt = "FP8" if fp8 else "BF16"
     lines = [Line(f"weights ({fmt}, TP {tp})", gpu=weights if on_gpu else 0.0,

@@ -573,8 +573,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cache length. The torch reference ignores it.
     FP8 caches (triton): `fp8_mma` = (QK, PV) products in e4m3 (`_attn_blocks_fp8`; PV only
     with block_l >= 32), None = both where `fp8_mma_supported`; the cache length must be a
-    multiple of `block_l` (KVCache pads it). `num_warps` / `num_stages`: Triton's launch options (None: its defaults);
-    `bench.decode_attention` sweeps them."""
+    multiple of `block_l` (KVCache pads it). `num_warps` / `num_stages`: Triton's launch
+    options (None: its defaults); `bench.decode_attention` sweeps them."""
     if impl == "torch":
         return _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp, v_exp)
     b, nh, d = q.shape

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from rl.plan.kv import KV_FP8_SCALE_BYTES, gqa_bytes_per_token
+from rl.plan.kv import (KV_FP8_SCALE_BYTES, KV_FP8_SLOT_ALIGN, gqa_bytes_per_token,
+                        native_fp8_slots)
 
 try:  # Triton is optional: the CPU engine never needs it
     import triton
@@ -33,7 +34,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 FP8_MAX = 448.0
 _BIAS = 127
-FP8_SLOT_ALIGN = 128
+FP8_SLOT_ALIGN = KV_FP8_SLOT_ALIGN
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +80,7 @@ class KVCache:
     @staticmethod
     def slots(max_len: int, fp8: bool) -> int:
         """Slots per row: max_len, FP8 rounded up to a multiple of FP8_SLOT_ALIGN."""
-        return -(-max_len // FP8_SLOT_ALIGN) * FP8_SLOT_ALIGN if fp8 else max_len
+        return native_fp8_slots(max_len) if fp8 else max_len
 
     @staticmethod
     def bytes_per_token(layers: int, nkv: int, head_dim: int, dtype_bytes: int,

@@ -103,6 +103,13 @@ def test_the_cache_holds_twice_the_sequences_and_the_planner_agrees():
     room = next(ln.gpu for ln in plans["fp8"].lines if ln.label.startswith("KV cache"))
     assert plans["fp8"].concurrent == models[True].max_cache_rows(room)
     assert plans["fp8"].concurrent >= 1.98 * plans["auto"].concurrent
+    # A max_model_len off the 128-slot grid: the planner pads the rows as the engine does.
+    cfg = load_config(None, ["rollout.engine=native", "rollout.kv_cache_dtype=fp8",
+                             "rollout.max_model_len=1100", "rollout.max_new_tokens=1000",
+                             "cluster.rollout.gpus_per_node=1"])
+    off_grid = plan_rollout(cfg, arch.parse(config, "qwen3-0.6b"))
+    room = next(ln.gpu for ln in off_grid.lines if ln.label.startswith("KV cache"))
+    assert off_grid.concurrent == padded.max_cache_rows(room) == plans["fp8"].concurrent
 
 
 @pytest.fixture(scope="module")
