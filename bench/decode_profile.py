@@ -44,7 +44,7 @@ GROUPS = (("attention", ("decode_attn", "attention", "sdpa", "flash")),
           ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "_linear_kernel", "grouped", "mma",
                     "matmul", "addmm", "aten::mm", "aten::bmm", "scaled_mm")),
           ("fp8 activation quant", ("act_quant",)),
-          ("sampling", ("softmax", "exponential", "multinomial", "argmax", "topk", "sort",
+          ("sampling", ("sample", "softmax", "exponential", "multinomial", "argmax", "topk", "sort",
                         "log_softmax", "gather", "div", "isin", "max")))
 
 

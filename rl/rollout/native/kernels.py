@@ -26,6 +26,9 @@ Ops (shapes: B rows, NH query heads, NKV kv heads, D head dim, L cache length):
   the scales laid out as cuBLAS's block-scaled GEMM reads them.
 - `w8a8_linear(x (M, K), w (N, K), scale)`: `act_quant(x)` times the block-FP8 weight in e4m3
   on the tensor cores (`torch._scaled_mm`, 1x128 x 128x128 block scales; Hopper, CUDA 12.9+).
+- `sample_temperature(logits (B, V), temperature, seed)`: one token per row from
+  softmax(logits / T) by the Gumbel-max race, and its temperature-1 log-prob, in one pass over
+  the logits (split over chunks of the vocabulary, then a combine kernel).
 
 The Triton interpreter (TRITON_INTERPRET=1) runs these on CPU tensors for the unit tests, with
 fp16 activations: it mishandles bf16 dots (numpy has no bf16). On GPU they run in bf16.
@@ -421,6 +424,64 @@ if triton is not None:
         tl.store(s_ptr + blk * M + row, scale, mask=blk < NB)
 
     @triton.jit
+    def _sample_chunk_kernel(x_ptr, seed_ptr, m_ptr, s_ptr, key_ptr, idx_ptr, inv_t, V, stride,
+                             chunk, NCH, BLOCK: tl.constexpr):
+        """Chunk `c` of row `row`'s logits: the row's running max and sum of exp (its log-sum-exp,
+        temperature 1) and its best Gumbel key x / T - log(-log(u)) and where, u ~ U(0, 1) from
+        Philox keyed by the step's seed + row, counter = the token id."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        seed = tl.load(seed_ptr) + row
+        lo = c * chunk
+        hi = tl.minimum(lo + chunk, V)
+        lanes = tl.arange(0, BLOCK)
+        m = tl.full((BLOCK,), float("-inf"), tl.float32)
+        s_exp = tl.zeros((BLOCK,), tl.float32)
+        best = tl.full((BLOCK,), float("-inf"), tl.float32)
+        best_idx = tl.zeros((BLOCK,), tl.int32)
+        for off in range(lo, hi, BLOCK):
+            cols = off + lanes
+            valid = cols < hi
+            x = tl.load(x_ptr + row * stride + cols, mask=valid, other=float("-inf"))
+            m_new = tl.maximum(m, x)
+            s_exp = (tl.where(m == float("-inf"), 0.0, s_exp * tl.exp(m - m_new))
+                     + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new)))
+            m = m_new
+            u = tl.maximum(tl.rand(seed, cols), 1e-30)          # [0, 1) -> (0, 1)
+            key = tl.where(valid, x * inv_t - tl.log(-tl.log(u)), float("-inf"))
+            better = key > best
+            best = tl.where(better, key, best)
+            best_idx = tl.where(better, cols, best_idx)
+        row_max = tl.max(m, axis=0)
+        total = tl.sum(tl.where(m == float("-inf"), 0.0, s_exp * tl.exp(m - row_max)), axis=0)
+        top = tl.max(best, axis=0)
+        # the smallest token id among lanes holding the best key (ties: any draw is fine)
+        top_idx = tl.min(tl.where(best == top, best_idx, 2147483647), axis=0)
+        part = row * NCH + c
+        tl.store(m_ptr + part, row_max)
+        tl.store(s_ptr + part, total)
+        tl.store(key_ptr + part, top)
+        tl.store(idx_ptr + part, top_idx)
+
+    @triton.jit
+    def _sample_combine_kernel(x_ptr, m_ptr, s_ptr, key_ptr, idx_ptr, tok_ptr, lp_ptr, stride,
+                               NCH, NCHP: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, NCHP)
+        ok = c < NCH
+        m = tl.load(m_ptr + row * NCH + c, mask=ok, other=float("-inf"))
+        s_exp = tl.load(s_ptr + row * NCH + c, mask=ok, other=0.0)
+        key = tl.load(key_ptr + row * NCH + c, mask=ok, other=float("-inf"))
+        idx = tl.load(idx_ptr + row * NCH + c, mask=ok, other=2147483647)
+        row_max = tl.max(m, axis=0)
+        lse = row_max + tl.log(tl.sum(tl.where(m == float("-inf"), 0.0,
+                                               s_exp * tl.exp(m - row_max)), axis=0))
+        top = tl.max(key, axis=0)
+        tok = tl.min(tl.where(key == top, idx, 2147483647), axis=0)
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(lp_ptr + row, tl.load(x_ptr + row * stride + tok) - lse)
+
+    @triton.jit
     def _silu_mul_kernel(x_ptr, y_ptr, I, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -723,6 +784,37 @@ def w8a8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     # 128x128 weight scales as cuBLAS reads them: (K / 128, N / 128), stride (1, K / 128)
     return torch._scaled_mm(x8, w.view(torch.float8_e4m3fn).t(), scale_a=sx,
                             scale_b=scale.t(), out_dtype=x.dtype)
+
+
+_SAMPLE_BLOCK = 1024
+_SAMPLE_PROGRAMS = 1056          # ~8 per SM of an H200: the chunk count per row aims at this
+
+
+def sample_temperature(logits: torch.Tensor, temperature: float, seed: torch.Tensor,
+                       chunks: int | None = None, block: int = _SAMPLE_BLOCK
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits (B, V) on the GPU -> (tokens (B,) int64, temperature-1 log-probs (B,)): a draw
+    from softmax(logits / temperature) per row (Gumbel-max: the argmax of logits / T + Gumbel
+    noise), reading the logits once. `seed`: int32 (1,) device tensor, drawn per step from the
+    engine's seeded generator, so a seeded run repeats. `chunks`: vocabulary chunks per row
+    (None: enough for ~8 programs per SM), each a whole number of `block`-wide tiles (tests
+    shrink them to reach several chunks on a small vocabulary)."""
+    b, v = logits.shape
+    if chunks is None:
+        chunks = max(1, min(64, -(-_SAMPLE_PROGRAMS // b)))
+    chunk = -(-(-(-v // chunks)) // block) * block
+    nch = -(-v // chunk)                   # every chunk holds at least one token
+    dev = logits.device
+    m = torch.empty(b, nch, dtype=torch.float32, device=dev)
+    s_exp, key = torch.empty_like(m), torch.empty_like(m)
+    idx = torch.empty(b, nch, dtype=torch.int32, device=dev)
+    _sample_chunk_kernel[(b, nch)](logits, seed, m, s_exp, key, idx, 1.0 / temperature, v,
+                                   logits.stride(0), chunk, nch, BLOCK=block)
+    tok = torch.empty(b, dtype=torch.int64, device=dev)
+    lp = torch.empty(b, dtype=torch.float32, device=dev)
+    _sample_combine_kernel[(b,)](logits, m, s_exp, key, idx, tok, lp, logits.stride(0), nch,
+                                 NCHP=_next_pow2(nch))
+    return tok, lp
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,

@@ -1,15 +1,25 @@
 """Sampling for the `native` engine: temperature, top-k, top-p from fp32 logits, returning the
-raw temperature-1 log-probs of the drawn tokens (the convention in `rl.rollout.base`)."""
+raw temperature-1 log-probs of the drawn tokens (the convention in `rl.rollout.base`).
+
+On a GPU, plain temperature sampling (no top-k / top-p; RL's usual setting) runs as one Triton
+pass over the logits (`kernels.sample_temperature`); the torch path below reads and writes the
+(B, vocabulary) logits five to six times (log-sum-exp, softmax, the exponential race, argmax)."""
 from __future__ import annotations
 
 import torch
 
 from rl.rollout.base import SamplingParams
+from rl.rollout.native import kernels as K
 
 
 def sample_tokens(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 logits (B, V) -> (tokens (B,), raw temperature-1 log-probs (B,))."""
+    if (logits.is_cuda and not sp.greedy and not 0 < sp.top_k < logits.shape[-1]
+            and sp.top_p >= 1.0 and K.triton_available()):
+        seed = torch.randint(0, 2 ** 31 - 1, (1,), generator=gen, dtype=torch.int32,
+                             device=logits.device)
+        return K.sample_temperature(logits, sp.temperature, seed)
     lse = torch.logsumexp(logits, dim=-1)
     if sp.greedy:
         tok = logits.argmax(-1)

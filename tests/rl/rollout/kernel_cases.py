@@ -71,6 +71,38 @@ def split_attention_cases(K, r, close, DT, device, tl_scale) -> None:
             close(name + " vs single", a, one, 5e-3 * tl_scale)
 
 
+def sampling_cases(K, device: str) -> None:
+    """`sample_temperature` (one pass, Gumbel-max over vocabulary chunks): the drawn tokens
+    follow softmax(x / T) (total variation over many rows of the same logits: 4,000 on a GPU,
+    600 under the interpreter, which runs each program in numpy), their log-probs are
+    log_softmax(x) at the token, -inf logits are never drawn, a seed repeats its draws."""
+    g = torch.Generator().manual_seed(11)
+    gpu = device != "cpu"
+    v, rows, bound = (40, 4000, 0.05) if gpu else (8, 600, 0.1)   # noise: ~0.03 / ~0.05
+    block = 16 if gpu else 4            # tiles small enough for chunks=3 to make 3 / 2 chunks
+    x = (torch.randn(v, generator=g) * 1.5).to(device)
+    x[5] = float("-inf")
+    logits = x[None].expand(rows, v).contiguous()
+    seed = torch.tensor([1234], dtype=torch.int32, device=device)
+    for temp, chunks in ((1.0, 1), (0.7, 3)):
+        tok, lp = K.sample_temperature(logits, temp, seed, chunks=chunks, block=block)
+        freq = torch.bincount(tok.cpu(), minlength=v).float() / rows
+        want = (x.float().cpu() / temp).softmax(-1)
+        tv = 0.5 * (freq - want).abs().sum().item()
+        print(f"sample T={temp} chunks={chunks}: total variation {tv:.3f}")
+        if not tv < bound:
+            raise Mismatch(f"sampled frequencies off softmax(x / {temp}): TV {tv}")
+        if (tok == 5).any():
+            raise Mismatch("a -inf logit was drawn")
+        close(f"sample T={temp} log-probs", lp, torch.log_softmax(x.float(), -1)[tok], 1e-5)
+    few = logits[:40]
+    tok, _ = K.sample_temperature(few, 1.0, seed, chunks=3, block=block)
+    if not torch.equal(tok, K.sample_temperature(few, 1.0, seed, chunks=3, block=block)[0]):
+        raise Mismatch("the same seed drew different tokens")
+    if torch.equal(tok, K.sample_temperature(few, 1.0, seed + 1, chunks=3, block=block)[0]):
+        raise Mismatch("another seed drew the same 40 tokens")
+
+
 def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
     from rl.quant.block_fp8 import quantize_weight_block
     from rl.quant.fast_quant import _quantize_triton
@@ -183,6 +215,8 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
         wf = r(n, k).to(DT)
         close(f"linear fp16 {m}x{k}x{n}", K.w8a16_linear(xm, wf, None, "triton"),
               K.w8a16_linear(xm, wf, None, "torch"), 5e-3 * tl_scale)
+
+    sampling_cases(K, device)
 
     # Activation quantisation for the W8A8 GEMM: 1x128 blocks, scales column-major.
     xa = r(6, 384).to(DT) * torch.tensor([1.0, 1e-3, 30.0], device=device).repeat_interleave(128)
