@@ -52,7 +52,7 @@ def engine_variant(kv: str, splits: int) -> dict:
     from rl.rollout.native.model import attention_settings
     settings = dict(block_l=64, num_warps=None, num_stages=None,
                     fp8_mma=(True, True) if kv == "fp8" else None)   # H200: e4m3 products
-    settings.update(attention_settings(kv == "fp8", splits))
+    settings.update(attention_settings(kv == "fp8"))
     return dict(kv=kv, splits=splits, **settings)
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from rl.cluster.actors import ProcActor, RayActor
 
@@ -150,7 +152,37 @@ def start_proc_group(spec: GroupSpec, cls, args_for, env: dict[str, str] | None 
     return actors
 
 
+# Ports a rendezvous may take: above the kernel's ephemeral range (which bind(0) and every
+# outgoing connection draw from) and above slurm/ray_cluster.py's Ray port blocks (20000-60000);
+# Ray's own default worker ports are 10002-19999.
+_RENDEZVOUS_FLOOR = 60001
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999                      # Linux's default
+
+
 def free_port() -> int:
+    """A port that is free now, for a rendezvous that binds it later (DeepSpeed's TCPStore, the
+    sync's NCCL store). Drawn at random above the ephemeral range where there is room: bind(0)
+    hands out an ephemeral port, and in the seconds until the store binds it any socket that
+    Ray or gRPC opens can take the same one (EADDRINUSE at init_process_group, seen in CI).
+    The draw is not the run's randomness (no effect on results), so it is not seeded."""
+    lo = max(_ephemeral_range()[1] + 1, _RENDEZVOUS_FLOOR)
+    if 65535 - lo >= 256:
+        draw = random.SystemRandom()
+        for _ in range(64):
+            port = draw.randint(lo, 65535)
+            with socket.socket() as s:
+                try:
+                    s.bind(("", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]

@@ -134,17 +134,17 @@ def _grouped_torch(x, w, scale, offs):
 # Triton kernels
 # ======================================================================================
 if triton is not None:
-    from rl.rollout.native.kvcache import _e4m3_round, store_kv
+    from rl.rollout.native.kvcache import e4m3_round, store_kv
 
     # The interpreter's fp32 -> e4m3 cast drops the carry of a round-up into the next power of
-    # two; under it the FP8 attention rounds first (`_e4m3_round`, the hardware's rounding).
+    # two; under it the FP8 attention rounds first (`e4m3_round`, the hardware's rounding).
     _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
     @triton.jit
     def _to_e4m3(x, EXACT: tl.constexpr):
         """fp32 (|x| <= 448) -> e4m3, round to nearest even."""
         if EXACT:
-            x = _e4m3_round(x)
+            x = e4m3_round(x)
         return x.to(tl.float8e4nv)
 
     @triton.jit

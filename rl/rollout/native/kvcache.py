@@ -111,7 +111,7 @@ class KVCache:
 # The Triton side of `quantize_kv`, called by the cache-writing kernel in `kernels`.
 if triton is not None:
     @triton.jit
-    def _e4m3_round(y):
+    def e4m3_round(y):
         """y (fp32, |y| <= 448) rounded to nearest-even on e4m3's 3 mantissa bits in the normal
         range, so the cast after it is exact (the interpreter's cast drops carries); e4m3
         subnormals (|y| < 2**-6) are left to the cast."""
@@ -138,8 +138,8 @@ if triton is not None:
             abits = amax.to(tl.int32, bitcast=True)
             exp = ((abits >> 23) & 0xFF) - 8 + ((abits & 0x7FFFFF) > 0x600000).to(tl.int32)
             inv = ((254 - exp) << 23).to(tl.float32, bitcast=True)
-            q1 = _e4m3_round(tl.minimum(tl.maximum(y1 * inv, -448.0), 448.0))
-            q2 = _e4m3_round(tl.minimum(tl.maximum(y2 * inv, -448.0), 448.0))
+            q1 = e4m3_round(tl.minimum(tl.maximum(y1 * inv, -448.0), 448.0))
+            q2 = e4m3_round(tl.minimum(tl.maximum(y2 * inv, -448.0), 448.0))
             if step is None:
                 tl.store(dst + d, q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
                 tl.store(dst + HALF + d, q2.to(tl.float8e4nv).to(tl.uint8, bitcast=True))

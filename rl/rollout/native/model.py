@@ -89,8 +89,9 @@ class Shape:
         return body + self.vocab * self.hidden * (1 if self.tied else 2)
 
 
-def attention_settings(fp8_kv: bool, splits: int) -> dict:
-    """`decode_attention`'s keyword settings the engine uses for a cache dtype and split count.
+def attention_settings(fp8_kv: bool) -> dict:
+    """`decode_attention`'s keyword settings the engine uses for a cache dtype (single pass and
+    split-K alike).
 
     FP8 KV cache: 128-slot tiles (the FP8 kernel's slots fill the tensor cores' 64-row side;
     KVCache pads the cache to a multiple of 128), e4m3 products where the GPU has them.
@@ -384,7 +385,7 @@ class NativeQwen3:
         s, impl = self.s, self.impl
         b = tokens.shape[0]
         splits = self.attention_splits(b)
-        attn = attention_settings(self.cache.fp8, splits)
+        attn = attention_settings(self.cache.fp8)
         if self.cache.fp8 and self.fp8_mma is not None:
             attn["fp8_mma"] = self.fp8_mma
         x = F.embedding(tokens, self.tensors["embed"])

@@ -1,4 +1,6 @@
 """The placement layout: which Ray strategy each group gets, and the node labels it asks for."""
+import pytest
+
 from rl.cluster.groups import make_layout, spread_strategy
 
 
@@ -22,3 +24,21 @@ def test_layout_labels_groups_and_spreads_trainers_over_trainer_nodes():
 def test_local_layout_is_unchanged():
     trainer, rollout = make_layout(2, 1, 0, 0)
     assert trainer.strategy == rollout.strategy == "PACK"
+
+
+def test_rendezvous_ports_come_from_outside_the_ephemeral_range():
+    """free_port's port is bound later (TCPStore): it must not come from the range bind(0) and
+    outgoing connections draw from, where Ray's and gRPC's sockets can take it first."""
+    import socket
+
+    from rl.cluster.groups import _ephemeral_range, free_port
+
+    lo, hi = _ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    if 65535 - max(hi + 1, 60001) < 256:
+        pytest.skip(f"ephemeral range {lo}-{hi} leaves no room above it: free_port uses bind(0)")
+    assert all(p > hi and p > 60000 for p in ports), (sorted(ports), (lo, hi))
+    assert len(ports) > 1                          # drawn, not one fixed port
+    for p in ports:                                # and free
+        with socket.socket() as s:
+            s.bind(("", p))
