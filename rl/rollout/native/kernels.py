@@ -802,8 +802,8 @@ def sample_temperature(logits: torch.Tensor, temperature: float, seed: torch.Ten
     b, v = logits.shape
     if chunks is None:
         chunks = max(1, min(64, -(-_SAMPLE_PROGRAMS // b)))
-    chunk = -(-(-(-v // chunks)) // block) * block
-    nch = -(-v // chunk)                   # every chunk holds at least one token
+    chunk = triton.cdiv(triton.cdiv(v, chunks), block) * block
+    nch = triton.cdiv(v, chunk)            # every chunk holds at least one token
     dev = logits.device
     m = torch.empty(b, nch, dtype=torch.float32, device=dev)
     s_exp, key = torch.empty_like(m), torch.empty_like(m)

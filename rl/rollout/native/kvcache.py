@@ -2,9 +2,10 @@
 
 Layout: K and V each (layers, rows, NKV, L, D); row b holds one sequence, slot j one token.
 An FP8 cache stores V transposed, (layers, rows, NKV, D, L), and pads L to a multiple of
-`FP8_SLOT_ALIGN`: its decode attention reads K and V^T tiles of 128 slots straight into e4m3
-tensor-core products (`kernels._attn_blocks_fp8`), unmasked, so every tile lies inside the
-cache and every byte is a finite e4m3 (the cache starts zeroed; both writers store NaN as 0).
+`rl.plan.kv.KV_FP8_SLOT_ALIGN` (128): its decode attention reads K and V^T tiles of 128 slots
+straight into e4m3 tensor-core products (`kernels._attn_blocks_fp8`), unmasked, so every tile
+lies inside the cache and every byte is a finite e4m3 (the cache starts zeroed; both writers
+store NaN as 0).
 
 FP8: e4m3 values plus one scale per (layer, row, kv head, slot), i.e. per token and kv head,
 stored as one byte: the biased exponent of a power-of-two scale (e8m0, scale = 2**(e - 127)).
@@ -23,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from rl.plan.kv import (KV_FP8_SCALE_BYTES, KV_FP8_SLOT_ALIGN, gqa_bytes_per_token,
-                        native_fp8_slots)
+from rl.plan.kv import KV_FP8_SCALE_BYTES, gqa_bytes_per_token, native_fp8_slots
 
 try:  # Triton is optional: the CPU engine never needs it
     import triton
@@ -34,7 +34,6 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 FP8_MAX = 448.0
 _BIAS = 127
-FP8_SLOT_ALIGN = KV_FP8_SLOT_ALIGN
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +78,7 @@ class KVCache:
 
     @staticmethod
     def slots(max_len: int, fp8: bool) -> int:
-        """Slots per row: max_len, FP8 rounded up to a multiple of FP8_SLOT_ALIGN."""
+        """Slots per row: max_len, FP8 rounded up to whole attention tiles (`native_fp8_slots`)."""
         return native_fp8_slots(max_len) if fp8 else max_len
 
     @staticmethod

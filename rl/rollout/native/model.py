@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rl.plan.kv import KV_FP8_SLOT_ALIGN
 from rl.quant.policy import KeepPolicy, as_policy
 from rl.rollout.native import kernels as K
 from rl.rollout.native.kvcache import KVCache
@@ -93,11 +94,11 @@ def attention_settings(fp8_kv: bool) -> dict:
     """`decode_attention`'s keyword settings the engine uses for a cache dtype (single pass and
     split-K alike).
 
-    FP8 KV cache: 128-slot tiles (the FP8 kernel's slots fill the tensor cores' 64-row side;
-    KVCache pads the cache to a multiple of 128), e4m3 products where the GPU has them.
+    FP8 KV cache: tiles of the KV_FP8_SLOT_ALIGN (128) slots KVCache pads each row to (the FP8
+    kernel's slots fill the tensor cores' 64-row side), e4m3 products where the GPU has them.
     BF16 cache: the defaults.
     """
-    return dict(block_l=128) if fp8_kv else {}
+    return dict(block_l=KV_FP8_SLOT_ALIGN) if fp8_kv else {}
 
 
 class NativeQwen3:
