@@ -7,8 +7,10 @@ weights (`w8` (N, K) e4m3fn, `w_scale` (ceil(N/128), ceil(K/128)) fp32, see `blo
   With `act_quant=True` it also round-trips the activations through 1x128 FP8 groups, which
   reproduces the GPU backends' numerics up to accumulation order.
 - `cuda`: `torch.nn.functional.scaled_mm` with (BlockWise1x128, BlockWise128x128) scaling,
-  cuBLASLt on sm_90+ (verified on H200, torch 2.11). Activations are quantised per 1x128 group
-  on the fly (plain torch ops, not a fused kernel).
+  cuBLASLt on sm_90 with CUDA >= 12.9 (verified on H200, torch 2.11; PyTorch offers this recipe
+  for sm_90 only). Activations are quantised per 1x128 group on the fly by one Triton pass
+  (`fast_quant.quantize_act_fast`); `block_scaled_mm` takes activations a producer kernel
+  already quantised (the native engine's fused RMSNorm / SiLU).
 - `aiter`: `aiter.gemm_a8w8_blockscale` on ROCm (MI300/MI325/MI355). NOT RUN in this project's
   CI or on its GPU machine (no AMD GPU available); written from vLLM's use of the same kernel
   (`vllm/_aiter_ops.py`). Only its dispatch logic is tested, with a stand-in module.
@@ -16,11 +18,10 @@ weights (`w8` (N, K) e4m3fn, `w_scale` (ceil(N/128), ceil(K/128)) fp32, see `blo
 `select_backend` picks the first that can run (aiter, cuda, torch); an explicit preference that
 cannot run raises `BackendUnavailableError` saying why.
 
-Speed (H200, torch 2.11, one run): the block-wise GEMM itself is fast, but the unfused
-activation quantisation costs ~100-180 us at M=64, K=4096 and ~0.9 ms at 8192x8192, so
-`fp8_linear(backend="cuda")` is slower than a BF16 matmul at every size measured (M=64:
-~175-350 us vs ~16-28 us; 8192^3: 1.78 ms vs 1.46 ms). FP8 here buys memory (half-size weights),
-not speed, until a fused quantisation kernel replaces `quantize_act_group` on this path.
+Speed (H200, torch 2.11): with torch ops for the activation quantisation (~100-180 us at
+M=64, K=4096) this path was slower than a BF16 matmul at every size measured; with the Triton
+quantiser, cuBLAS's block-scaled GEMM plus quantisation runs at 0.53-0.86x cuBLAS BF16 at
+Qwen3-0.6B's decode shapes and 1.02-1.16x at Qwen3-30B-A3B's (`bench/results/fp8_gemm.md`).
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ import torch.nn.functional as F
 
 from rl.quant.block_fp8 import (
     DEFAULT_BLOCK, FP8_DTYPE, dequantize_act_group, dequantize_weight_block, fp8_e4m3fn_to_fnuz,
-    num_blocks, quantize_act_group,
+    quantize_act_group,
 )
+from rl.quant.fast_quant import QuantAct, quantize_act_fast
 
 BACKENDS = ("aiter", "cuda", "torch")
 PREFERENCES = ("auto", *BACKENDS)
@@ -92,10 +94,14 @@ def cuda_unavailable_reason(device: torch.device | str | None) -> str | None:
     if not (hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")):
         return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm / ScalingType"
     major, minor = torch.cuda.get_device_capability(device)
-    # cuBLASLt's 1x128 / 128x128 block scaling exists on Hopper and later only; Ada (sm_89)
-    # has FP8 tensor cores but only tensor-/row-wise scaling.
-    if major < 9:
-        return f"GPU is sm_{major}{minor}; block-wise FP8 scaled_mm needs sm_90 or newer"
+    # cuBLASLt's 1x128 / 128x128 block scaling: torch's own samples for it run on major 9 with
+    # CUDA >= 12.9 only (torch/testing/_internal/common_methods_invocations.py, pytorch#172227).
+    # Ada has FP8 tensor cores but only tensor-/row-wise scaling; Blackwell takes MX formats.
+    if major != 9:
+        return f"GPU is sm_{major}{minor}; torch's block-wise FP8 scaled_mm runs on sm_90 only"
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    if cuda < (12, 9):
+        return f"torch is built with CUDA {torch.version.cuda}; block-wise scaled_mm needs 12.9+"
     return None
 
 
@@ -147,28 +153,27 @@ def cuda_shape_unsupported_reason(m: int, k: int, n: int, block: int) -> str | N
     return None
 
 
-def _linear_cuda(x2: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    m, k = x2.shape
-    # cuBLASLt answers CUBLAS_STATUS_NOT_SUPPORTED unless M % 4 == 0 (measured on H200 for
-    # M = 1, 7; 4, 8, 16, 64 work): the column-major activation scales need 16-byte columns.
-    # Zero rows are cheap and quantise to zeros (scale 1.0).
-    m4 = -(-m // 4) * 4
-    if m4 != m:
-        x2 = F.pad(x2, (0, 0, 0, m4 - m))
-    kb = num_blocks(k, 128)
-    a8, sa_MG = quantize_act_group(x2, 128)
-    # scale_a must be "column-major": shape (M, K/128), strides (1, M).
-    sa = torch.empty_strided((m4, kb), (1, m4), dtype=torch.float32, device=x2.device)
-    sa.copy_(sa_MG)
+def block_scaled_mm(act: QuantAct, w8: torch.Tensor, w_scale: torch.Tensor,
+                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`act` (M' rows, M' % 4 == 0) @ deq(w8 (N, K), w_scale).T -> (M, N) on cuBLASLt's
+    block-scaled FP8 GEMM (see `cuda_unavailable_reason`); the padding rows are cut off."""
+    kb = act.scale.shape[1]
     # scale_b is passed transposed, shape (round_up(K/128, 4), N/128), strides (1, round_up(...)):
     # torch's check pads the K-block count to a multiple of 4; the padding is never read.
     kb4 = -(-kb // 4) * 4
     sw = w_scale if kb4 == kb else F.pad(w_scale, (0, kb4 - kb), value=1.0)
     sw = sw.contiguous()  # (N/128, kb4) row-major, so sw.t() has strides (1, kb4)
     st = F.ScalingType
-    y = F.scaled_mm(a8, w8.contiguous().t(), sa, st.BlockWise1x128, sw.t(), st.BlockWise128x128,
-                    output_dtype=torch.bfloat16)
-    return y[:m]
+    y = F.scaled_mm(act.q, w8.contiguous().t(), act.scale, st.BlockWise1x128, sw.t(),
+                    st.BlockWise128x128, output_dtype=out_dtype)
+    return y if y.shape[0] == act.rows else y[:act.rows]
+
+
+def _linear_cuda(x2: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    # cuBLASLt answers CUBLAS_STATUS_NOT_SUPPORTED unless M % 4 == 0 (measured on H200 for
+    # M = 1, 7; 4, 8, 16, 64 work): the column-major activation scales need 16-byte columns.
+    # The quantiser pads with zero rows.
+    return block_scaled_mm(quantize_act_fast(x2, rows_multiple=4), w8, w_scale)
 
 
 def _linear_aiter(x2: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

@@ -228,9 +228,12 @@ def test_split_decode_attention_matches_the_single_pass_kernel(kv, model_dirs, r
 
 def test_fp8_weights_take_the_w8a8_gemm(model_dirs, report, monkeypatch):
     """On Hopper the FP8 engine's dense GEMMs quantise activations to e4m3 (1x128 blocks) and
-    run cuBLAS's block-scaled FP8 GEMM (`kernels.w8a8_linear`), in prefill and decode alike.
-    Against the BF16 engine, teacher-forced over 32 decode steps of 128 rows: its KL stays
-    within the FP8-weights bound (0.05), next to the same engine held on the W8A16 kernel."""
+    run cuBLAS's block-scaled FP8 GEMM (`kernels.w8a8_linear`), in prefill and decode alike;
+    at decode the qkv, gate_up and down inputs come quantised from the fused RMSNorm / SiLU
+    kernels (`QuantAct`), the o input from the one-pass quantiser. Against the BF16 engine,
+    teacher-forced over 32 decode steps of 128 rows: its KL stays within the FP8-weights bound
+    (0.05), next to the same engine held on the W8A16 kernel."""
+    from rl.quant.fast_quant import QuantAct
     from rl.rollout.native import kernels as K
     from rl.rollout.native.engine import NativeEngine
 
@@ -249,11 +252,12 @@ def test_fp8_weights_take_the_w8a8_gemm(model_dirs, report, monkeypatch):
     ids = torch.tensor(prompts, device="cuda")
     ref_lp = teacher_forced_logprobs(ref, ids, tokens)
     del ref
-    calls = {"w8a8": 0}
+    calls = {"w8a8": 0, "fused": 0}
     real = K.w8a8_linear
 
     def counted(*a, **kw):
         calls["w8a8"] += 1
+        calls["fused"] += isinstance(a[0], QuantAct)
         return real(*a, **kw)
     monkeypatch.setattr(K, "w8a8_linear", counted)
     fp8 = make(quantization="fp8")
@@ -261,13 +265,16 @@ def test_fp8_weights_take_the_w8a8_gemm(model_dirs, report, monkeypatch):
     kls = {}
     for gemm in ("auto", "w8a16"):
         fp8.model.fp8_gemm = gemm
-        before = calls["w8a8"]
+        before, fused = calls["w8a8"], calls["fused"]
         lp = teacher_forced_logprobs(fp8, ids, tokens)
         kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1)
-        kls[gemm] = (kl.mean().item(), kl.max().item(), calls["w8a8"] - before)
+        kls[gemm] = (kl.mean().item(), kl.max().item(), calls["w8a8"] - before,
+                     calls["fused"] - fused)
     report("w8a8_gemm_dense", **{f"{k}_kl_{m}": v[i] for k, v in kls.items()
                                  for i, m in enumerate(("mean", "max"))},
-           w8a8_calls=kls["auto"][2])
-    # 4 linears x 4 layers, in the prefill and in each of the 31 decode steps
+           w8a8_calls=kls["auto"][2], prequantised_inputs=kls["auto"][3])
+    # 4 linears x 4 layers, in the prefill and in each of the 31 decode steps; of them, fused
+    # producers feed qkv, gate_up and down at decode and the down GEMM in the prefill
     assert kls["auto"][2] == 4 * 4 * 32 and kls["w8a16"][2] == 0, kls
+    assert kls["auto"][3] == 4 * (3 * 31 + 1), kls
     assert kls["auto"][0] < 0.05 and kls["w8a16"][0] < 0.05, kls

@@ -61,12 +61,12 @@ class _Graph:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # compiles the Triton kernels outside the capture
             for _ in range(2):
-                model.decode_step(self.tokens, self.start, self.pos)
+                model.decode_step(self.tokens, self.start, self.pos, fp32_logits=False)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: an NCCL watchdog thread (weight-sync group) may poll events meanwhile.
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.logits = model.decode_step(self.tokens, self.start, self.pos)
+            self.logits = model.decode_step(self.tokens, self.start, self.pos, fp32_logits=False)
         self.routes = dict(model.routes)  # the graph's static outputs, rewritten by each replay
 
     def __call__(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
@@ -185,7 +185,7 @@ class NativeEngine:
 
         def step(tokens: torch.Tensor, pos: int) -> torch.Tensor:
             pos_t.fill_(pos)
-            return model.decode_step(tokens, start, pos_t)
+            return model.decode_step(tokens, start, pos_t, fp32_logits=False)
         return step, start, lambda: model.routes
 
     def _generate_chunk(self, rows: list[list[int]], sp: SamplingParams, stop_t: torch.Tensor,
@@ -213,7 +213,7 @@ class NativeEngine:
                                                                        self.shape.top_k))
         pre = rows_NK(self.model.routes) if want else None
         dec = []
-        tok, lp = sample_tokens(self.model.logits(h), sp, gen)
+        tok, lp = sample_tokens(self.model.logits(h, fp32=False), sp, gen)
         toks = torch.empty(bb, sp.max_new_tokens, dtype=torch.long, device=self.device)
         lps = torch.empty(bb, sp.max_new_tokens, dtype=torch.float32, device=self.device)
         toks[:, 0], lps[:, 0] = tok, lp

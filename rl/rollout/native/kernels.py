@@ -22,10 +22,10 @@ Ops (shapes: B rows, NH query heads, NKV kv heads, D head dim, L cache length):
   e4m3, fp32 128x128 block scales) dequantised in registers: the weight crosses HBM as 1 byte.
 - `grouped_linear(x (R, K), w (E, N, K), scale, offs (E+1,))`: rows offs[e]:offs[e+1] of x (sorted
   by expert) times expert e's weight; FP8 (with scales) or plain BF16 weights.
-- `act_quant(x (M, K))`: e4m3 with one scale per row and 128 columns (DeepSeek's 1x128 blocks),
-  the scales laid out as cuBLAS's block-scaled GEMM reads them.
-- `w8a8_linear(x (M, K), w (N, K), scale)`: `act_quant(x)` times the block-FP8 weight in e4m3
-  on the tensor cores (`torch._scaled_mm`, 1x128 x 128x128 block scales; Hopper, CUDA 12.9+).
+- `w8a8_linear(x (M, K), w (N, K), scale)`: x quantised to e4m3 in 1x128 blocks times the
+  block-FP8 weight on the tensor cores (`rl.quant.backends.block_scaled_mm`: cuBLAS, 1x128 x
+  128x128 block scales; Hopper, CUDA 12.9+). `rmsnorm` and `silu_mul` with `quant=True` emit
+  its input already quantised (`rl.quant.fast_quant.QuantAct`): no separate quantiser launch.
 - `sample_temperature(logits (B, V), temperature, seed)`: one token per row from
   softmax(logits / T) by the Gumbel-max race, and its temperature-1 log-prob, in one pass over
   the logits (split over chunks of the vocabulary, then a combine kernel).
@@ -36,13 +36,12 @@ fp16 activations: it mishandles bf16 dots (numpy has no bf16). On GPU they run i
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
-import torch.nn.functional as F
 
-from rl.quant.block_fp8 import (DEFAULT_BLOCK, dequantize_act_group, dequantize_weight_block,
-                                quantize_act_group)
+from rl.quant.backends import block_scaled_mm, cuda_unavailable_reason, fp8_linear
+from rl.quant.block_fp8 import DEFAULT_BLOCK, dequantize_act_group, dequantize_weight_block
+from rl.quant.fast_quant import QuantAct, act_buffers, quantize_act_fast
 from rl.rollout.native.kvcache import dequantize_kv, quantize_kv
 
 try:  # Triton is optional: the CPU engine never needs it
@@ -134,25 +133,20 @@ def _grouped_torch(x, w, scale, offs):
 # Triton kernels
 # ======================================================================================
 if triton is not None:
-    from rl.rollout.native.kvcache import e4m3_round, store_kv
-
-    # The interpreter's fp32 -> e4m3 cast drops the carry of a round-up into the next power of
-    # two; under it the FP8 attention rounds first (`e4m3_round`, the hardware's rounding).
-    _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+    from rl.quant.fast_quant import INTERPRETED as _INTERPRETED
+    from rl.quant.fast_quant import store_act_blocks, to_e4m3 as _to_e4m3
+    from rl.rollout.native.kvcache import store_kv
 
     @triton.jit
-    def _to_e4m3(x, EXACT: tl.constexpr):
-        """fp32 (|x| <= 448) -> e4m3, round to nearest even."""
-        if EXACT:
-            x = e4m3_round(x)
-        return x.to(tl.float8e4nv)
-
-    @triton.jit
-    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, H, eps,
-                        HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr):
-        row = tl.program_id(0)
+    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, s_ptr, M, H, M_PAD, eps,
+                        HAS_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK_H: tl.constexpr,
+                        EXACT: tl.constexpr):
+        """Row `row`: h = x (+ res) (stored when HAS_RES), y = norm(h) * w in x's dtype; QUANT:
+        y as 1x128 e4m3 blocks into y_ptr (uint8 (M_PAD, H)) and their scales into s_ptr
+        (column-major), rows M..M_PAD zeros (the GEMM's padding)."""
+        row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
-        mask = cols < H
+        mask = cols < tl.where(row < M, H, 0)        # padding rows read as zeros
         x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0)
         if HAS_RES:
             r = tl.load(res_ptr + row * H + cols, mask=mask, other=0.0)
@@ -161,7 +155,12 @@ if triton is not None:
         h = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * H + cols, (h * rstd * w).to(x.dtype), mask=mask)
+        y = (h * rstd * w).to(x.dtype)
+        if QUANT:   # quantised from the rounded y, as the unfused path quantises the stored y
+            store_act_blocks(y.to(tl.float32), y_ptr, s_ptr, row, H, H, M_PAD, BLOCK_H // 128,
+                             EXACT)
+        else:
+            tl.store(y_ptr + row * H + cols, y, mask=mask)
 
     @triton.jit
     def _head_norm_rope(x1, x2, w_ptr, c, s, eps, D: tl.constexpr, HALF: tl.constexpr):
@@ -408,22 +407,6 @@ if triton is not None:
         tl.store(o_ptr + bh * D + d, out.to(o_ptr.dtype.element_ty))
 
     @triton.jit
-    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, NB: tl.constexpr, NBP: tl.constexpr,
-                          EXACT: tl.constexpr):
-        """Row `row` of x (M, K): its NB blocks of 128 as e4m3 into q, scales amax / 448 into
-        s (NB, M) (column `row`)."""
-        row = tl.program_id(0).to(tl.int64)
-        blk = tl.arange(0, NBP)
-        c = tl.arange(0, 128)
-        mask = (blk < NB)[:, None]
-        offs = row * K + blk[:, None] * 128 + c[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) * (1.0 / 448.0)
-        q = _to_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0), EXACT)
-        tl.store(q_ptr + offs, q.to(tl.uint8, bitcast=True), mask=mask)
-        tl.store(s_ptr + blk * M + row, scale, mask=blk < NB)
-
-    @triton.jit
     def _sample_chunk_kernel(x_ptr, seed_ptr, m_ptr, s_ptr, key_ptr, idx_ptr, inv_t, V, stride,
                              chunk, NCH, BLOCK: tl.constexpr):
         """Chunk `c` of row `row`'s logits: the row's running max and sum of exp (its log-sum-exp,
@@ -442,7 +425,8 @@ if triton is not None:
         for off in range(lo, hi, BLOCK):
             cols = off + lanes
             valid = cols < hi
-            x = tl.load(x_ptr + row * stride + cols, mask=valid, other=float("-inf"))
+            x = tl.load(x_ptr + row * stride + cols, mask=valid,
+                        other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, x)
             s_exp = (tl.where(m == float("-inf"), 0.0, s_exp * tl.exp(m - m_new))
                      + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new)))
@@ -479,17 +463,26 @@ if triton is not None:
         top = tl.max(key, axis=0)
         tok = tl.min(tl.where(key == top, idx, 2147483647), axis=0)
         tl.store(tok_ptr + row, tok.to(tl.int64))
-        tl.store(lp_ptr + row, tl.load(x_ptr + row * stride + tok) - lse)
+        tl.store(lp_ptr + row, tl.load(x_ptr + row * stride + tok).to(tl.float32) - lse)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, y_ptr, I, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < I
-        gate = tl.load(x_ptr + row * 2 * I + cols, mask=mask, other=0.0).to(tl.float32)
+    def _silu_mul_kernel(x_ptr, y_ptr, s_ptr, M, I, M_PAD, BLOCK: tl.constexpr,
+                         QUANT: tl.constexpr, EXACT: tl.constexpr):
+        """Columns [c * BLOCK, (c + 1) * BLOCK) of row `row`; QUANT: as 1x128 e4m3 blocks
+        (BLOCK a multiple of 128) with column-major scales, like `_rmsnorm_kernel`."""
+        row = tl.program_id(0).to(tl.int64)
+        c0 = tl.program_id(1) * BLOCK
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < tl.where(row < M, I, 0)
+        gate = tl.load(x_ptr + row * 2 * I + cols, mask=mask, other=0.0)
         up = tl.load(x_ptr + row * 2 * I + I + cols, mask=mask, other=0.0).to(tl.float32)
-        y = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(y_ptr + row * I + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        g = gate.to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g)) * up).to(gate.dtype)
+        if QUANT:
+            store_act_blocks(y.to(tl.float32), y_ptr + c0, s_ptr + c0 // 128 * M_PAD, row, I,
+                             I - c0, M_PAD, BLOCK // 128, EXACT)
+        else:
+            tl.store(y_ptr + row * I + cols, y, mask=mask)
 
     @triton.jit
     def _mma_rows(x_ptr, w_ptr, s_ptr, rm, rn, row_end, N, K, stride_sn, k_lo, k_hi,
@@ -546,16 +539,24 @@ if triton is not None:
 # Public ops
 # ======================================================================================
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-            impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, h): h = x (+ residual), y = rmsnorm(h) * w. x, residual (M, H) contiguous."""
+            impl: str = "torch", quant: bool = False
+            ) -> tuple[torch.Tensor | QuantAct, torch.Tensor]:
+    """(y, h): h = x (+ residual), y = rmsnorm(h) * w. x, residual (M, H) contiguous.
+    `quant`: y comes as the block-scaled GEMM's input (`QuantAct`, rows padded to 4), quantised
+    in the same kernel (one launch and no bf16 round trip through memory)."""
     if impl == "torch":
-        return _rmsnorm_torch(x, w, eps, residual)
+        y, h = _rmsnorm_torch(x, w, eps, residual)
+        return (quantize_act_fast(y, 4, "torch") if quant else y), h
     m, hdim = x.shape
-    y = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else x
-    _rmsnorm_kernel[(m,)](x, residual if residual is not None else x, w, y, h, hdim, eps,
-                          HAS_RES=residual is not None, BLOCK_H=_next_pow2(hdim))
-    return y, h
+    if quant:
+        y, sc, m_pad = act_buffers(m, hdim, x.device, 4)
+    else:
+        y, sc, m_pad = torch.empty_like(x), x, m
+    _rmsnorm_kernel[(m_pad,)](x, residual if residual is not None else x, w, y, h, sc, m, hdim,
+                              m_pad, eps, HAS_RES=residual is not None, QUANT=quant,
+                              BLOCK_H=max(DEFAULT_BLOCK, _next_pow2(hdim)), EXACT=_INTERPRETED)
+    return (QuantAct(y.view(torch.float8_e4m3fn), sc.t(), m) if quant else y), h
 
 
 def qk_norm_rope_cache(qkv: torch.Tensor, qn_w: torch.Tensor, kn_w: torch.Tensor,
@@ -679,16 +680,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def silu_mul(x: torch.Tensor, impl: str = "torch") -> torch.Tensor:
-    """(M, 2I) -> (M, I): silu(gate) * up, gate and up fused as HF's gate_up layout."""
+def silu_mul(x: torch.Tensor, impl: str = "torch", quant: bool = False
+             ) -> torch.Tensor | QuantAct:
+    """(M, 2I) -> (M, I): silu(gate) * up, gate and up fused as HF's gate_up layout. `quant`:
+    as `rmsnorm`'s, the output quantised for the block-scaled GEMM in the same kernel."""
     half = x.shape[-1] // 2
     if impl == "torch":
         x32 = x.float()
-        return (torch.nn.functional.silu(x32[:, :half]) * x32[:, half:]).to(x.dtype)
-    y = torch.empty(x.shape[0], half, dtype=x.dtype, device=x.device)
-    block = min(1024, _next_pow2(half))
-    _silu_mul_kernel[(x.shape[0], triton.cdiv(half, block))](x, y, half, BLOCK=block)
-    return y
+        y = (torch.nn.functional.silu(x32[:, :half]) * x32[:, half:]).to(x.dtype)
+        return quantize_act_fast(y, 4, "torch") if quant else y
+    m = x.shape[0]
+    block = min(1024, max(DEFAULT_BLOCK, _next_pow2(half)))
+    if quant:
+        y, sc, m_pad = act_buffers(m, half, x.device, 4)
+    else:
+        y, sc, m_pad = torch.empty(m, half, dtype=x.dtype, device=x.device), x, m
+    _silu_mul_kernel[(m_pad, triton.cdiv(half, block))](x, y, sc, m, half, m_pad, BLOCK=block,
+                                                         QUANT=quant, EXACT=_INTERPRETED)
+    return QuantAct(y.view(torch.float8_e4m3fn), sc.t(), m) if quant else y
 
 
 def _tiles(m: int, n: int) -> tuple[int, int]:
@@ -735,55 +744,36 @@ def w8a16_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
     return y.sum(0).to(x.dtype) if split > 1 else y
 
 
-def act_quant(x: torch.Tensor, impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K), K a multiple of 128 -> (e4m3 (M, K), fp32 scales (M, K / 128)): one scale per
-    row and 128 columns (`quantize_act_group`'s), the scales column-major (stride (1, M)), the
-    layout `torch._scaled_mm` reads 1x128 block scales in."""
-    m, k = x.shape
-    if k % DEFAULT_BLOCK:
-        raise ValueError(f"act_quant: K must be a multiple of {DEFAULT_BLOCK}, got {k}")
-    if impl == "torch":
-        x8, sc = quantize_act_group(x)
-        return x8, sc.t().contiguous().t()
-    nb = k // DEFAULT_BLOCK
-    q = torch.empty(m, k, dtype=torch.uint8, device=x.device)
-    sc = torch.empty(nb, m, dtype=torch.float32, device=x.device)
-    _act_quant_kernel[(m,)](x, q, sc, m, k, NB=nb, NBP=_next_pow2(nb), EXACT=_INTERPRETED)
-    return q.view(torch.float8_e4m3fn), sc.t()
+def w8a8_supported(n: int, k: int, device: torch.device) -> bool:
+    """Whether `w8a8_linear` runs an (N, K) weight here: cuBLAS's block-scaled FP8 GEMM
+    (`rl.quant.backends.cuda_unavailable_reason`: Hopper, CUDA >= 12.9) with K and N multiples
+    of 128 (whole blocks: the producer kernels quantise 1x128 blocks in place)."""
+    return k % DEFAULT_BLOCK == 0 and n % DEFAULT_BLOCK == 0 and _block_scaled_ok(device)
 
 
 @functools.cache
-def _block_scaled_fp8_gemm(device: torch.device) -> bool:
-    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-    return (device.type == "cuda" and torch.version.hip is None and cuda >= (12, 9)
-            and torch.cuda.get_device_capability(device)[0] == 9)
+def _block_scaled_ok(device: torch.device) -> bool:
+    return cuda_unavailable_reason(device) is None
 
 
-def w8a8_supported(n: int, k: int, device: torch.device) -> bool:
-    """Whether `w8a8_linear` runs an (N, K) weight here: cuBLAS's block-scaled FP8 GEMM (Hopper,
-    CUDA >= 12.9; PyTorch offers it for sm_90 only) with K a multiple of 512 (whole 128-blocks,
-    their count a multiple of 4: the weight scales are then read in place) and N of 128."""
-    return k % 512 == 0 and n % DEFAULT_BLOCK == 0 and _block_scaled_fp8_gemm(device)
-
-
-def w8a8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-                impl: str = "torch") -> torch.Tensor:
-    """x (M, K) @ deq(w (N, K)).T -> (M, N) in x's dtype, with x quantised by `act_quant`:
-    both operands e4m3 on the tensor cores. `w` uint8 (e4m3 bytes), `scale` fp32
-    (N / 128, K / 128) (see `w8a8_supported`). The torch path emulates it (dequantised
-    operands, fp32 product)."""
-    m = x.shape[0]
-    if impl != "torch" and m % 4:       # cuBLAS wants M a multiple of 4: zero rows, cut off
-        return w8a8_linear(F.pad(x, (0, 0, 0, 4 - m % 4)), w, scale, impl)[:m]
-    x8, sx = act_quant(x, impl)
-    if impl == "torch":
-        xf = dequantize_act_group(x8, sx)
-        wf = dequantize_weight_block(w.view(torch.float8_e4m3fn), scale, DEFAULT_BLOCK,
-                                     torch.float32)
-        return (xf @ wf.t()).to(x.dtype)
-    # 128x128 weight scales as cuBLAS reads them: (K / 128, N / 128), stride (1, K / 128)
-    return torch._scaled_mm(x8, w.view(torch.float8_e4m3fn).t(), scale_a=sx,
-                            scale_b=scale.t(), out_dtype=x.dtype)
+def w8a8_linear(x: torch.Tensor | QuantAct, w: torch.Tensor, scale: torch.Tensor,
+                impl: str = "torch", out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x (M, K) @ deq(w (N, K)).T -> (M, N), both operands e4m3 on the tensor cores: x
+    quantised in 1x128 blocks (or already, a `QuantAct` from `rmsnorm` / `silu_mul` with
+    quant=True), times the block-FP8 weight (`w` uint8 e4m3 bytes, `scale` fp32 (N / 128,
+    K / 128)) on `rl.quant.backends`' block-scaled GEMM (see `w8a8_supported`). The torch path
+    emulates it (dequantised operands, fp32 product). Out: x's dtype (a `QuantAct`: out_dtype,
+    default bf16)."""
+    w8 = w.view(torch.float8_e4m3fn)
+    if isinstance(x, QuantAct):
+        out_dtype = out_dtype or torch.bfloat16
+        if impl == "torch":
+            xf = dequantize_act_group(x.q[:x.rows], x.scale[:x.rows])
+            return (xf @ dequantize_weight_block(w8, scale, DEFAULT_BLOCK,
+                                                 torch.float32).t()).to(out_dtype)
+        return block_scaled_mm(x, w8, scale, out_dtype)
+    return fp8_linear(x, w8, scale, backend="cuda" if impl != "torch" else "torch",
+                      act_quant=True, out_dtype=out_dtype)
 
 
 _SAMPLE_BLOCK = 1024
@@ -793,7 +783,8 @@ _SAMPLE_PROGRAMS = 1056          # ~8 per SM of an H200: the chunk count per row
 def sample_temperature(logits: torch.Tensor, temperature: float, seed: torch.Tensor,
                        chunks: int | None = None, block: int = _SAMPLE_BLOCK
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 logits (B, V) on the GPU -> (tokens (B,) int64, temperature-1 log-probs (B,)): a draw
+    """logits (B, V) on the GPU, fp32 or bf16 (read as fp32) -> (tokens (B,) int64,
+    temperature-1 log-probs (B,) fp32): a draw
     from softmax(logits / temperature) per row (Gumbel-max: the argmax of logits / T + Gumbel
     noise), reading the logits once. `seed`: int32 (1,) device tensor, drawn per step from the
     engine's seeded generator, so a seeded run repeats. `chunks`: vocabulary chunks per row

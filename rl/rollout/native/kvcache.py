@@ -109,14 +109,7 @@ class KVCache:
 
 # The Triton side of `quantize_kv`, called by the cache-writing kernel in `kernels`.
 if triton is not None:
-    @triton.jit
-    def e4m3_round(y):
-        """y (fp32, |y| <= 448) rounded to nearest-even on e4m3's 3 mantissa bits in the normal
-        range, so the cast after it is exact (the interpreter's cast drops carries); e4m3
-        subnormals (|y| < 2**-6) are left to the cast."""
-        bits = y.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576   # clear 20 low mantissa bits
-        return tl.where(tl.abs(y) >= 0.015625, bits.to(tl.float32, bitcast=True), y)
+    from rl.quant.fast_quant import e4m3_round
 
     @triton.jit
     def store_kv(dst, exp_dst, y1, y2, HALF: tl.constexpr, FP8_KV: tl.constexpr, step=None):

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rl.plan.kv import KV_FP8_SLOT_ALIGN
+from rl.quant.fast_quant import QuantAct
 from rl.quant.policy import KeepPolicy, as_policy
 from rl.rollout.native import kernels as K
 from rl.rollout.native.kvcache import KVCache
@@ -272,7 +273,14 @@ class NativeQwen3:
         return int(budget_bytes // self.cache_bytes(1))
 
     # ---- building blocks -----------------------------------------------------------------
-    def linear(self, x: torch.Tensor, key: str) -> torch.Tensor:
+    def w8a8(self, key: str) -> bool:
+        """Whether linear `key` takes the W8A8 GEMM here, i.e. its input may come quantised
+        (`rmsnorm` / `silu_mul` with quant=True)."""
+        slot = self.linears[key]
+        return (slot.fp8 and self.impl == "triton" and self.fp8_gemm == "auto"
+                and K.w8a8_supported(*slot.w.shape, self.device))
+
+    def linear(self, x: torch.Tensor | QuantAct, key: str) -> torch.Tensor:
         slot = self.linears[key]
         if not slot.fp8:
             return F.linear(x, slot.w)
@@ -281,9 +289,8 @@ class NativeQwen3:
         # shapes on an H200 it takes 0.55-0.86x cuBLAS BF16's speed with the quantisation where
         # our W8A16 kernel reaches 0.28-0.45x (256 rows), and the two are within 5% of each
         # other at 64 rows (bench/results/fp8_gemm.md).
-        if (self.impl == "triton" and self.fp8_gemm == "auto"
-                and K.w8a8_supported(*slot.w.shape, x.device)):
-            return K.w8a8_linear(x, slot.w, slot.scale, impl="triton")
+        if isinstance(x, QuantAct) or self.w8a8(key):
+            return K.w8a8_linear(x, slot.w, slot.scale, impl=self.impl, out_dtype=self.dtype)
         if self.impl == "triton" and x.shape[0] <= _DEQUANT_ROWS:
             return K.w8a16_linear(x, slot.w, slot.scale, impl="triton")
         if self.impl == "triton":
@@ -294,7 +301,8 @@ class NativeQwen3:
         """x (T, H) -> (T, H): dense SwiGLU or top-k MoE."""
         p = f"layers.{i}."
         if not self.s.is_moe[i]:
-            return self.linear(K.silu_mul(self.linear(x, p + "gate_up"), self.impl), p + "down")
+            act = K.silu_mul(self.linear(x, p + "gate_up"), self.impl, quant=self.w8a8(p + "down"))
+            return self.linear(act, p + "down")
         return self.moe(x, i)
 
     def moe(self, x: torch.Tensor, i: int) -> torch.Tensor:
@@ -360,10 +368,13 @@ class NativeQwen3:
         h, _ = K.rmsnorm(x, self.tensors["final_norm"], s.eps, resid, "torch")
         return h.view(b, width, s.hidden)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> fp32 (..., V)."""
+    def logits(self, h: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """(..., H) -> (..., V) in fp32, or (fp32=False) as the head's GEMM writes them, in the
+        model dtype: the same values (the fp32 copy is exact), half the bytes for a sampler
+        that converts as it reads (`sampling.sample_tokens`)."""
         head = self.tensors["embed"] if self.s.tied else self.tensors["lm_head"]
-        return F.linear(h, head).float()
+        y = F.linear(h, head)
+        return y.float() if fp32 else y
 
     def attention_splits(self, rows: int) -> int:
         """Context splits of the decode attention for a batch of `rows`: fixed per batch bucket
@@ -376,9 +387,10 @@ class NativeQwen3:
         return max(n, 2) if self.decode_attention == "split" else n
 
     @torch.no_grad()
-    def decode_step(self, tokens: torch.Tensor, start: torch.Tensor, pos: torch.Tensor
-                    ) -> torch.Tensor:
-        """tokens (B,) at slot `pos` (int32 (1,), on device) -> fp32 logits (B, V).
+    def decode_step(self, tokens: torch.Tensor, start: torch.Tensor, pos: torch.Tensor,
+                    fp32_logits: bool = True) -> torch.Tensor:
+        """tokens (B,) at slot `pos` (int32 (1,), on device) -> logits (B, V), fp32 or in the
+        model dtype (`logits`).
 
         Writes their k/v at slot `pos` of cache rows [0, B). No host sync: graph-capturable
         when impl is "triton".
@@ -393,7 +405,8 @@ class NativeQwen3:
         resid = None
         for i in range(s.layers):
             p = f"layers.{i}."
-            h, resid = K.rmsnorm(x, self.tensors[p + "ln1"], s.eps, resid, impl)
+            h, resid = K.rmsnorm(x, self.tensors[p + "ln1"], s.eps, resid, impl,
+                                 quant=self.w8a8(p + "qkv"))
             qkv = self.linear(h, p + "qkv")
             kc, vc, ke, ve = self.cache.layer(i)
             q = K.qk_norm_rope_cache(qkv, self.tensors[p + "q_norm"], self.tensors[p + "k_norm"],
@@ -402,7 +415,9 @@ class NativeQwen3:
             a = K.decode_attention(q, kc, vc, start, pos, s.head_dim ** -0.5, impl, k_exp=ke,
                                    v_exp=ve, splits=splits, **attn)
             o = self.linear(a.view(b, s.nh * s.head_dim), p + "o")
-            h, resid = K.rmsnorm(o, self.tensors[p + "ln2"], s.eps, resid, impl)
+            # a dense layer's norm feeds one W8A8 GEMM; an MoE layer's also feeds its router
+            h, resid = K.rmsnorm(o, self.tensors[p + "ln2"], s.eps, resid, impl,
+                                 quant=not s.is_moe[i] and self.w8a8(p + "gate_up"))
             x = self.mlp(h, i)
         h, _ = K.rmsnorm(x, self.tensors["final_norm"], s.eps, resid, impl)
-        return self.logits(h)
+        return self.logits(h, fp32_logits)

@@ -14,12 +14,14 @@ from rl.rollout.native import kernels as K
 
 def sample_tokens(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 logits (B, V) -> (tokens (B,), raw temperature-1 log-probs (B,))."""
+    """logits (B, V), fp32 or as the LM head wrote them (bf16: read as fp32, exactly) ->
+    (tokens (B,), raw temperature-1 log-probs (B,), fp32)."""
     if (logits.is_cuda and not sp.greedy and not 0 < sp.top_k < logits.shape[-1]
             and sp.top_p >= 1.0 and K.triton_available()):
         seed = torch.randint(0, 2 ** 31 - 1, (1,), generator=gen, dtype=torch.int32,
                              device=logits.device)
         return K.sample_temperature(logits, sp.temperature, seed)
+    logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1)
     if sp.greedy:
         tok = logits.argmax(-1)

@@ -65,16 +65,24 @@ def test_rocm_without_usable_aiter_falls_back_to_torch(rocm_stand_in, monkeypatc
         select_backend("cuda:0", "aiter")
 
 
-@pytest.mark.parametrize("capability, expected", [((9, 0), "cuda"), ((10, 0), "cuda"), ((8, 9), "torch")])
-def test_cuda_capability_dispatch(monkeypatch, capability, expected):
-    """STAND-IN for a CUDA machine: only the capability check is exercised."""
+@pytest.mark.parametrize("capability, cuda, expected", [
+    ((9, 0), "13.0", "cuda"), ((9, 0), "12.9", "cuda"),
+    ((9, 0), "12.8", "CUDA 12.8; block-wise scaled_mm needs 12.9+"),
+    ((10, 0), "13.0", "sm_100; torch's block-wise FP8 scaled_mm runs on sm_90 only"),
+    ((8, 9), "13.0", "sm_89; torch's block-wise FP8 scaled_mm runs on sm_90 only")])
+def test_cuda_capability_dispatch(monkeypatch, capability, cuda, expected):
+    """STAND-IN for a CUDA machine: only the capability and CUDA-version checks are exercised
+    (torch offers the 1x128 x 128x128 recipe on sm_90 with CUDA 12.9+)."""
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.version, "cuda", cuda, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert select_backend("cuda:0") == expected
-    if expected == "torch":
-        with pytest.raises(BackendUnavailableError, match="sm_89; block-wise FP8 scaled_mm needs sm_90"):
-            select_backend("cuda:0", "cuda")
+    if expected == "cuda":
+        assert select_backend("cuda:0") == "cuda"
+        return
+    assert select_backend("cuda:0") == "torch"
+    with pytest.raises(BackendUnavailableError, match=re.escape(expected)):
+        select_backend("cuda:0", "cuda")
 
 
 def make_problem(m=6, k=300, n=200, seed=0):

@@ -101,6 +101,14 @@ def sampling_cases(K, device: str) -> None:
         raise Mismatch("the same seed drew different tokens")
     if torch.equal(tok, K.sample_temperature(few, 1.0, seed + 1, chunks=3, block=block)[0]):
         raise Mismatch("another seed drew the same 40 tokens")
+    # The engine hands over the LM head's bf16 logits: read as fp32, they draw what their fp32
+    # copy draws, with the same log-probs.
+    half = few.to(torch.bfloat16 if gpu else torch.float16)
+    got = K.sample_temperature(half, 0.7, seed, chunks=3, block=block)
+    want = K.sample_temperature(half.float(), 0.7, seed, chunks=3, block=block)
+    if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+        raise Mismatch("half-precision logits drew otherwise than their fp32 copy")
+    print("sample half-precision logits = their fp32 copy")
 
 
 def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
@@ -218,22 +226,56 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
 
     sampling_cases(K, device)
 
-    # Activation quantisation for the W8A8 GEMM: 1x128 blocks, scales column-major.
-    xa = r(6, 384).to(DT) * torch.tensor([1.0, 1e-3, 30.0], device=device).repeat_interleave(128)
-    q8, sq = K.act_quant(xa, "triton")
-    q8_ref, sq_ref = K.act_quant(xa, "torch")
-    assert sq.shape == (6, 3) and sq.stride() == (1, 6), sq.stride()
-    close("act quant scales", sq, sq_ref, 1e-6)
+    # Activation quantisation for the W8A8 GEMM: 1x128 blocks, scales column-major, rows
+    # padded with zeros to a multiple of 4 (cuBLAS's M % 4); a partial last block (K = 200).
     from rl.quant.block_fp8 import dequantize_act_group
-    close("act quant values", dequantize_act_group(q8, sq), xa.float(), 0.07)
-    assert (q8.view(torch.uint8) == q8_ref.view(torch.uint8)).float().mean() > 0.99
+    from rl.quant.fast_quant import quantize_act_fast
+    xa = r(6, 384).to(DT) * torch.tensor([1.0, 1e-3, 30.0], device=device).repeat_interleave(128)
+    for x_, tag in ((xa, "384"), (r(5, 200).to(DT), "200")):
+        got, ref_ = quantize_act_fast(x_, 4, "triton"), quantize_act_fast(x_, 4, "torch")
+        m_, k_ = x_.shape
+        g_ = -(-k_ // 128)
+        assert got.rows == m_ and got.q.shape == (8, k_), got.q.shape
+        assert got.scale.shape == (8, g_) and got.scale.stride() == (1, 8), got.scale.stride()
+        close(f"act quant scales K={tag}", got.scale[:m_], ref_.scale[:m_], 1e-6)
+        close(f"act quant values K={tag}",
+              dequantize_act_group(got.q[:m_], got.scale[:m_]), x_.float(), 0.07)
+        assert (got.q[:m_].view(torch.uint8) == ref_.q[:m_].view(torch.uint8)).float().mean() > 0.99
+        assert not got.q[m_:].view(torch.uint8).any(), "padding rows must quantise to zeros"
+
+    # The fused producers: RMSNorm (with residual) and SiLU*up emit the quantised activations
+    # the unfused path would make from their rounded outputs, padding rows zero.
+    def same_quant(tag, got, y_ref):
+        ref_ = quantize_act_fast(y_ref, 4, "torch")
+        m_ = y_ref.shape[0]
+        assert got.rows == m_ and got.q.shape[0] == -(-m_ // 4) * 4, (tag, got.q.shape)
+        assert got.scale.stride() == (1, got.q.shape[0]), (tag, got.scale.stride())
+        close(f"{tag} scales", got.scale[:m_], ref_.scale[:m_], 1e-3)
+        agree = (got.q[:m_].view(torch.uint8) == ref_.q[:m_].view(torch.uint8)).float().mean()
+        assert agree > 0.98, (tag, float(agree))
+        assert not got.q[m_:].view(torch.uint8).any(), tag
+
+    xr, res, wn = r(7, 384).to(DT), r(7, 384).to(DT), (1 + 0.1 * r(384)).to(DT)
+    (q_, h_), (y_ref, h_ref) = (K.rmsnorm(xr, wn, 1e-6, res, "triton", quant=True),
+                                K.rmsnorm(xr, wn, 1e-6, res, "torch"))
+    close("rmsnorm+quant residual sum", h_, h_ref, 2e-3 * tl_scale)
+    same_quant("rmsnorm+quant", q_, y_ref)
+    gu2 = r(6, 2 * 384).to(DT)
+    same_quant("silu_mul+quant", K.silu_mul(gu2, "triton", quant=True), K.silu_mul(gu2, "torch"))
     if K.w8a8_supported(256, 512, torch.device(device)):   # Hopper, CUDA 12.9+ (GPU run)
         w8, sc = quantize_weight_block(r(256, 512))
         for m in (64, 7):                                      # 7 rows: padded to 8 inside
             xm = r(m, 512).to(DT)
+            emu = K.w8a8_linear(xm, w8.view(torch.uint8), sc, "torch")
             close(f"w8a8 {m}x512x256 vs its emulation",
-                  K.w8a8_linear(xm, w8.view(torch.uint8), sc, "triton"),
-                  K.w8a8_linear(xm, w8.view(torch.uint8), sc, "torch"), 1e-2)
+                  K.w8a8_linear(xm, w8.view(torch.uint8), sc, "triton"), emu, 1e-2)
+            fused = K.rmsnorm(xm, torch.ones(512, dtype=DT, device=device), 1e-6, None,
+                              "triton", quant=True)[0]
+            close(f"w8a8 {m}x512x256 from the fused RMSNorm's output",
+                  K.w8a8_linear(fused, w8.view(torch.uint8), sc, "triton", out_dtype=DT),
+                  K.w8a8_linear(K.rmsnorm(xm, torch.ones(512, dtype=DT, device=device), 1e-6,
+                                          None, "torch")[0], w8.view(torch.uint8), sc, "torch"),
+                  1e-2)
 
     e, n, k = 4, 160, 128
     counts = [3, 0, 20, 1]

@@ -24,6 +24,9 @@ def test_triton_kernels_match_torch_references_in_the_interpreter():
     for mma in ("(True, True)", "(False, False)"):
         assert f"long split None fp8 kv mma {mma} vs single" in proc.stdout
     assert "fp8_mma=(True, False)" in proc.stdout
+    for case in ("act quant values K=200", "rmsnorm+quant scales", "silu_mul+quant scales",
+                 "sample half-precision logits = their fp32 copy"):
+        assert case in proc.stdout, case
 
 
 def test_decode_splits_fill_the_gpu_only_when_rows_x_heads_do_not():
