@@ -12,6 +12,8 @@ every GEMM sits at a latency floor instead (bench/results/rollout.md: the FP8-we
 - `w8a8 block`: `rl.rollout.native.kernels.w8a8_linear`, the engine's block-FP8 weight as it is
   (128x128 scales) times activations in 1x128 blocks, cuBLAS's DeepSeek-style block-scaled
   GEMM; `w8a8 block` alone on pre-quantised activations, `+quant` with our Triton quantiser;
+- `w8a8 triton`: `kernels.w8a8_triton`, the same block-scaled product in our Triton kernel
+  (narrow tiles, split-K), default tiles and the best of a small sweep;
 - the roofline: weight bytes / measured HBM copy bandwidth (what a weight-bound GEMM can reach).
 Times: 64 calls captured in one CUDA graph (as the engine's decode runs them; no launch
 latency), median over replays; the weights rotate through 16 copies (more than L2 holds) so
@@ -153,6 +155,19 @@ def case(m: int, n: int, k: int, device: str, smoke: bool, do_sweep: bool = Fals
         out["w8a8_block_quant"] = time_cuda(lambda: K.w8a8_linear(
             x, wq[(j := next(it) % rot)], ws[j], impl="triton"))
         out["act_quant"] = time_cuda(lambda: quantize_act_fast(x, 4))
+        # our Triton W8A8 kernel on the same quantised operands: default tiles, then the
+        # fastest of a small sweep (BN x split; the engine's choice is set from it)
+        tri = K.w8a8_triton(xq8, wq[0], ws[0]).float()
+        out["w8a8_triton_vs_emulation"] = ((tri - emu).norm() / emu.norm()).item()
+        out["w8a8_triton"] = time_cuda(lambda: K.w8a8_triton(
+            xq8, wq[(j := next(it) % rot)], ws[j]))
+        best = (float("inf"), {})
+        for bn, sp, st in itertools.product((32, 64, 128), (1, 2, 4), (3, 4)):
+            cfg = dict(BN=bn, split=sp, num_stages=st)
+            t = time_cuda(lambda: K.w8a8_triton(xq8, wq[(j := next(it) % rot)], ws[j],
+                                                 tiles=cfg), reps=32, iters=8)
+            best = min(best, (t, cfg), key=lambda b: b[0])
+        out["w8a8_triton_best"], out["w8a8_triton_tiles"] = best
     return out
 
 
@@ -175,8 +190,12 @@ def main() -> None:
             row = {"shape": name, "M": m, "N": n, "K": k, **{
                 f"{key} us": v * 1e6 for key, v in r.items()
                 if key in ("bf16", "w8a16", "w8a16_best", "w8a8", "w8a8_quant", "w8a8_block",
-                           "w8a8_block_quant", "act_quant")
+                           "w8a8_block_quant", "act_quant", "w8a8_triton", "w8a8_triton_best")
                 and v is not None}}
+            if "w8a8_triton_tiles" in r:
+                row["w8a8 triton best tiles"] = " ".join(
+                    f"{a}={b}" for a, b in r["w8a8_triton_tiles"].items())
+            row["w8a8 triton vs emulation"] = r.get("w8a8_triton_vs_emulation")
             if "best_tiles" in r:
                 row["best tiles"] = " ".join(f"{a}={b}" for a, b in r["best_tiles"].items())
             row["w8a16 err"] = r.get("w8a16_rel_err")
@@ -195,21 +214,31 @@ def main() -> None:
                 if "w8a8_block" in r:
                     row["w8a8 block / bf16"] = r["bf16"] / r["w8a8_block"]
                     row["w8a8 block+quant / bf16"] = r["bf16"] / r["w8a8_block_quant"]
+                if "w8a8_triton" in r:
+                    row["w8a8 triton / bf16"] = r["bf16"] / r["w8a8_triton"]
+                    row["w8a8 triton best / bf16"] = r["bf16"] / r["w8a8_triton_best"]
             if "w8a8_error" in r:
                 row["note"] = r["w8a8_error"]
             rows.append(row)
     cols = ["shape", "M", "N", "K", "bf16 us", "w8a16 us", "w8a16_best us", "w8a8 us",
             "w8a8_quant us", "w8a8_block us", "w8a8_block_quant us", "act_quant us",
+            "w8a8_triton us", "w8a8_triton_best us", "w8a8 triton best tiles",
             "roofline bf16 us", "roofline fp8 us", "w8a16 / bf16",
             "w8a16 best / bf16", "best tiles", "w8a8 / bf16",
-            "w8a8+quant / bf16", "w8a8 block / bf16", "w8a8 block+quant / bf16", "w8a16 err",
-            "w8a8 err", "w8a8 block err", "w8a8 block vs emulation", "note"]
+            "w8a8+quant / bf16", "w8a8 block / bf16", "w8a8 block+quant / bf16",
+            "w8a8 triton / bf16", "w8a8 triton best / bf16", "w8a16 err",
+            "w8a8 err", "w8a8 block err", "w8a8 block vs emulation", "w8a8 triton vs emulation",
+            "note"]
     notes = ["x / bf16 columns: speed-up over BF16 (>1 = FP8 faster); err: relative Frobenius "
              "error against the BF16 GEMM (FP8 rounding of weight, and for w8a8 of activations)",
              "w8a8: rowwise weight scales and per-token activation scales (cuBLAS / CUTLASS "
              "rowwise); w8a8 block: the engine's path, its 128x128 weight scales as they are and "
              "1x128 activation blocks (cuBLAS block-scaled); vs emulation: against the same "
-             "quantised operands multiplied in fp32"]
+             "quantised operands multiplied in fp32",
+             "w8a8 triton: `kernels.w8a8_triton`, our kernel for the same block-scaled product "
+             "(e4m3 x e4m3 tensor-core dots, scales applied per 128-wide K block, narrow tiles "
+             "and split-K for decode's skinny GEMMs) on pre-quantised activations; best: the "
+             "fastest of BN in 32/64/128 x split 1/2/4 x 3/4 stages"]
     if bw:
         notes.append(f"HBM copy bandwidth measured here: {bw:,.0f} GB/s")
     name = "fp8_gemm_sweep" if args.sweep else "fp8_gemm"

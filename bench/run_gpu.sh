@@ -72,7 +72,7 @@ for s in $sections; do
                     tests/gpu/test_v4_attention_gpu.py
                 run v4_attention 300 python3 -m bench.v4_attention --out "$OUT" ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
-        fp8gemm) run fp8_gemm 150 python3 -m bench.fp8_gemm --out "$OUT" ;;
+        fp8gemm) run fp8_gemm 240 python3 -m bench.fp8_gemm --out "$OUT" ;;
         fp8gemm_sweep) run fp8_gemm_sweep 420 python3 -m bench.fp8_gemm --sweep --out "$OUT" ;;
         decode_profile) run decode_profile 300 python3 -m bench.decode_profile --attention single \
                             --out "$OUT" ;;

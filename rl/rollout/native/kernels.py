@@ -407,35 +407,51 @@ if triton is not None:
         tl.store(o_ptr + bh * D + d, out.to(o_ptr.dtype.element_ty))
 
     @triton.jit
+    def _race(x_ptr, cols, hi, u, inv_t, m, s_exp, best, best_idx):
+        """One quarter-tile of `_sample_chunk_kernel`: the running (max, sum of exp) and the
+        best Gumbel key and its column, per lane, updated by the logits at `cols` (< hi) and
+        their uniforms `u`."""
+        valid = cols < hi
+        x = tl.load(x_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        s_exp = (tl.where(m == float("-inf"), 0.0, s_exp * tl.exp(m - m_new))
+                 + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new)))
+        u = tl.maximum(u, 1e-30)                                   # [0, 1) -> (0, 1)
+        key = tl.where(valid, x * inv_t - tl.log(-tl.log(u)), float("-inf"))
+        better = key > best
+        return (m_new, s_exp, tl.where(better, key, best), tl.where(better, cols, best_idx))
+
+    @triton.jit
     def _sample_chunk_kernel(x_ptr, seed_ptr, m_ptr, s_ptr, key_ptr, idx_ptr, inv_t, V, stride,
                              chunk, NCH, BLOCK: tl.constexpr):
         """Chunk `c` of row `row`'s logits: the row's running max and sum of exp (its log-sum-exp,
         temperature 1) and its best Gumbel key x / T - log(-log(u)) and where, u ~ U(0, 1) from
-        Philox keyed by the step's seed + row, counter = the token id."""
+        Philox keyed by the step's seed + row. One Philox call gives four uniforms (`rand4x`):
+        counter i of a BLOCK-wide tile at `off` serves tokens off + i + j * BLOCK / 4, j < 4
+        (counters off / 4 + i: distinct over the row, as chunks start at multiples of BLOCK).
+        The race is compute-bound (Philox, two logs and an exp per token), so this cuts it."""
+        Q: tl.constexpr = BLOCK // 4
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         seed = tl.load(seed_ptr) + row
         lo = c * chunk
         hi = tl.minimum(lo + chunk, V)
-        lanes = tl.arange(0, BLOCK)
-        m = tl.full((BLOCK,), float("-inf"), tl.float32)
-        s_exp = tl.zeros((BLOCK,), tl.float32)
-        best = tl.full((BLOCK,), float("-inf"), tl.float32)
-        best_idx = tl.zeros((BLOCK,), tl.int32)
+        lanes = tl.arange(0, Q)
+        xr = x_ptr + row * stride
+        m = tl.full((Q,), float("-inf"), tl.float32)
+        s_exp = tl.zeros((Q,), tl.float32)
+        best = tl.full((Q,), float("-inf"), tl.float32)
+        best_idx = tl.zeros((Q,), tl.int32)
         for off in range(lo, hi, BLOCK):
-            cols = off + lanes
-            valid = cols < hi
-            x = tl.load(x_ptr + row * stride + cols, mask=valid,
-                        other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, x)
-            s_exp = (tl.where(m == float("-inf"), 0.0, s_exp * tl.exp(m - m_new))
-                     + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new)))
-            m = m_new
-            u = tl.maximum(tl.rand(seed, cols), 1e-30)          # [0, 1) -> (0, 1)
-            key = tl.where(valid, x * inv_t - tl.log(-tl.log(u)), float("-inf"))
-            better = key > best
-            best = tl.where(better, key, best)
-            best_idx = tl.where(better, cols, best_idx)
+            u0, u1, u2, u3 = tl.rand4x(seed, off // 4 + lanes)
+            m, s_exp, best, best_idx = _race(xr, off + lanes, hi, u0, inv_t, m, s_exp, best,
+                                             best_idx)
+            m, s_exp, best, best_idx = _race(xr, off + Q + lanes, hi, u1, inv_t, m, s_exp,
+                                             best, best_idx)
+            m, s_exp, best, best_idx = _race(xr, off + 2 * Q + lanes, hi, u2, inv_t, m, s_exp,
+                                             best, best_idx)
+            m, s_exp, best, best_idx = _race(xr, off + 3 * Q + lanes, hi, u3, inv_t, m, s_exp,
+                                             best, best_idx)
         row_max = tl.max(m, axis=0)
         total = tl.sum(tl.where(m == float("-inf"), 0.0, s_exp * tl.exp(m - row_max)), axis=0)
         top = tl.max(best, axis=0)
@@ -516,6 +532,33 @@ if triton is not None:
         k_hi = tl.minimum(k_lo + k_per_split, K)
         acc = _mma_rows(x_ptr, w_ptr, s_ptr, rm, rn, M, N, K, stride_sn, k_lo, k_hi,
                         FP8, BM, BN, BK)
+        tl.store(y_ptr + ks * M * N + rm[:, None] * N + rn[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _w8a8_kernel(x_ptr, sx_ptr, w_ptr, s_ptr, y_ptr, M, N, K, M_PAD, stride_sn, k_per_split,
+                     BM: tl.constexpr, BN: tl.constexpr):
+        """y[ks] (BM, BN) tile = sum over this split's 128-wide K blocks of
+        (x8 @ w8.T) * sx[row, kb] * sw[n block, kb]: e4m3 x e4m3 products on the tensor cores
+        (wgmma on Hopper), x8 (M_PAD, K) with column-major scales sx (G, M_PAD), w8 (N, K)
+        with 128x128 block scales; split-K partials in fp32, summed outside."""
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        ks = tl.program_id(2)
+        k_lo = ks * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k0 in range(k_lo, k_hi, 128):
+            rk = k0 + tl.arange(0, 128)
+            a = tl.load(x_ptr + rm[:, None] * K + rk[None, :],
+                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0)
+            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :],
+                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0)
+            part = tl.dot(a.to(tl.float8e4nv, bitcast=True),
+                          tl.trans(w.to(tl.float8e4nv, bitcast=True)))
+            sa = tl.load(sx_ptr + (k0 // 128) * M_PAD + rm, mask=rm < M, other=0.0)
+            sb = tl.load(s_ptr + (rn // 128) * stride_sn + k0 // 128, mask=rn < N, other=0.0)
+            acc += part * sa[:, None] * sb[None, :]
         tl.store(y_ptr + ks * M * N + rm[:, None] * N + rn[None, :],
                  acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -756,14 +799,42 @@ def _block_scaled_ok(device: torch.device) -> bool:
     return cuda_unavailable_reason(device) is None
 
 
+def w8a8_triton(act: QuantAct, w: torch.Tensor, scale: torch.Tensor,
+                out_dtype: torch.dtype = torch.bfloat16, tiles: dict | None = None
+                ) -> torch.Tensor:
+    """`act` @ deq(w (N, K)).T -> (act.rows, N): the W8A8 product of `w8a8_linear` in our own
+    Triton kernel instead of cuBLAS's, with the W8A16 kernel's skinny-GEMM tiling (narrow tiles
+    and split-K so decode's few output tiles fill the GPU). `tiles` overrides BM, BN, split,
+    num_warps, num_stages (`bench.fp8_gemm` measures them)."""
+    m, k = act.rows, act.q.shape[1]
+    n = w.shape[0]
+    t = tiles or {}
+    bm = t.get("BM", 16 if m <= 16 else 32 if m <= 32 else 64)
+    bn = t.get("BN", 64)
+    tiles_mn = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    kblocks = triton.cdiv(k, DEFAULT_BLOCK)
+    split = max(1, min(kblocks // 2, 264 // tiles_mn)) if tiles_mn < 132 else 1
+    split = t.get("split", split)
+    per = triton.cdiv(kblocks, split)
+    split = triton.cdiv(kblocks, per)
+    y = torch.empty((split, m, n) if split > 1 else (m, n),
+                    dtype=torch.float32 if split > 1 else out_dtype, device=act.q.device)
+    launch = {key: t[key] for key in ("num_warps", "num_stages") if key in t}
+    _w8a8_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+        act.q.view(torch.uint8), act.scale, w, scale, y, m, n, k, act.q.shape[0],
+        scale.stride(0), per * DEFAULT_BLOCK, BM=bm, BN=bn, **launch)
+    return y.sum(0).to(out_dtype) if split > 1 else y
+
+
 def w8a8_linear(x: torch.Tensor | QuantAct, w: torch.Tensor, scale: torch.Tensor,
-                impl: str = "torch", out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                impl: str = "torch", out_dtype: torch.dtype | None = None,
+                gemm: str = "cublas") -> torch.Tensor:
     """x (M, K) @ deq(w (N, K)).T -> (M, N), both operands e4m3 on the tensor cores: x
     quantised in 1x128 blocks (or already, a `QuantAct` from `rmsnorm` / `silu_mul` with
     quant=True), times the block-FP8 weight (`w` uint8 e4m3 bytes, `scale` fp32 (N / 128,
-    K / 128)) on `rl.quant.backends`' block-scaled GEMM (see `w8a8_supported`). The torch path
-    emulates it (dequantised operands, fp32 product). Out: x's dtype (a `QuantAct`: out_dtype,
-    default bf16)."""
+    K / 128)) on `rl.quant.backends`' block-scaled GEMM (see `w8a8_supported`), or with
+    gemm="triton" on `w8a8_triton`. The torch path emulates it (dequantised operands, fp32
+    product). Out: x's dtype (a `QuantAct`: out_dtype, default bf16)."""
     w8 = w.view(torch.float8_e4m3fn)
     if isinstance(x, QuantAct):
         out_dtype = out_dtype or torch.bfloat16
@@ -771,7 +842,11 @@ def w8a8_linear(x: torch.Tensor | QuantAct, w: torch.Tensor, scale: torch.Tensor
             xf = dequantize_act_group(x.q[:x.rows], x.scale[:x.rows])
             return (xf @ dequantize_weight_block(w8, scale, DEFAULT_BLOCK,
                                                  torch.float32).t()).to(out_dtype)
+        if gemm == "triton":
+            return w8a8_triton(x, w, scale, out_dtype)
         return block_scaled_mm(x, w8, scale, out_dtype)
+    if impl != "torch" and gemm == "triton":
+        return w8a8_triton(quantize_act_fast(x, 4, impl), w, scale, out_dtype or x.dtype)
     return fp8_linear(x, w8, scale, backend="cuda" if impl != "torch" else "torch",
                       act_quant=True, out_dtype=out_dtype)
 
@@ -791,6 +866,9 @@ def sample_temperature(logits: torch.Tensor, temperature: float, seed: torch.Ten
     (None: enough for ~8 programs per SM), each a whole number of `block`-wide tiles (tests
     shrink them to reach several chunks on a small vocabulary)."""
     b, v = logits.shape
+    if block % 4:
+        raise ValueError(f"sample_temperature: block must be a multiple of 4 (four uniforms per "
+                         f"Philox call), got {block}")
     if chunks is None:
         chunks = max(1, min(64, -(-_SAMPLE_PROGRAMS // b)))
     chunk = triton.cdiv(triton.cdiv(v, chunks), block) * block

@@ -102,6 +102,11 @@ def attention_settings(fp8_kv: bool) -> dict:
     return dict(block_l=KV_FP8_SLOT_ALIGN) if fp8_kv else {}
 
 
+# Decode batches up to this many rows take our W8A8 kernel (`kernels.w8a8_triton`), larger
+# ones (prefill, scoring) cuBLAS's block-scaled GEMM: set from bench/results/fp8_gemm.md.
+W8A8_TRITON_ROWS = 256
+
+
 class NativeQwen3:
     """Weights, KV cache and forward passes. `impl`: "triton" (CUDA) or "torch" (anywhere)."""
 
@@ -116,8 +121,9 @@ class NativeQwen3:
         self.fp8_mma: tuple[bool, bool] | None = None
         """Tests: the FP8-cache attention's (QK, PV) e4m3 products (None: the kernel's choice)."""
         self.fp8_gemm = "auto"
-        """FP8 weights' GEMM: "auto" = W8A8 where `kernels.w8a8_supported`, else W8A16;
-        "w8a16" (tests, benchmarks) = always the W8A16 kernel."""
+        """FP8 weights' GEMM: "auto" = W8A8 where `kernels.w8a8_supported` (our Triton kernel up
+        to `W8A8_TRITON_ROWS` rows, cuBLAS's above), else W8A16; tests and benchmarks pin
+        "cublas" or "triton" (W8A8 on that kernel) or "w8a16"."""
         self.fp8, self.kv_fp8 = fp8, kv_fp8
         self.routes: dict[int, torch.Tensor] = {}
         """MoE layer -> (T, top_k) expert ids of the last forward through it."""
@@ -277,7 +283,7 @@ class NativeQwen3:
         """Whether linear `key` takes the W8A8 GEMM here, i.e. its input may come quantised
         (`rmsnorm` / `silu_mul` with quant=True)."""
         slot = self.linears[key]
-        return (slot.fp8 and self.impl == "triton" and self.fp8_gemm == "auto"
+        return (slot.fp8 and self.impl == "triton" and self.fp8_gemm != "w8a16"
                 and K.w8a8_supported(*slot.w.shape, self.device))
 
     def linear(self, x: torch.Tensor | QuantAct, key: str) -> torch.Tensor:
@@ -290,7 +296,12 @@ class NativeQwen3:
         # our W8A16 kernel reaches 0.28-0.45x (256 rows), and the two are within 5% of each
         # other at 64 rows (bench/results/fp8_gemm.md).
         if isinstance(x, QuantAct) or self.w8a8(key):
-            return K.w8a8_linear(x, slot.w, slot.scale, impl=self.impl, out_dtype=self.dtype)
+            gemm = self.fp8_gemm
+            if gemm == "auto":
+                rows = x.rows if isinstance(x, QuantAct) else x.shape[0]
+                gemm = "triton" if rows <= W8A8_TRITON_ROWS else "cublas"
+            return K.w8a8_linear(x, slot.w, slot.scale, impl=self.impl, out_dtype=self.dtype,
+                                 gemm=gemm)
         if self.impl == "triton" and x.shape[0] <= _DEQUANT_ROWS:
             return K.w8a16_linear(x, slot.w, slot.scale, impl="triton")
         if self.impl == "triton":

@@ -262,6 +262,16 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
     same_quant("rmsnorm+quant", q_, y_ref)
     gu2 = r(6, 2 * 384).to(DT)
     same_quant("silu_mul+quant", K.silu_mul(gu2, "triton", quant=True), K.silu_mul(gu2, "torch"))
+
+    # Our W8A8 kernel (e4m3 x e4m3 on the tensor cores, block scales applied per K block) =
+    # its emulation; split-K, a partial N tile, rows padded by the quantiser.
+    for m, n, k, tiles in ((7, 200, 384, None), (40, 256, 1024, dict(split=3)),
+                           (64, 128, 512, dict(BM=64, BN=128, split=1))):
+        w8, sc = quantize_weight_block(r(n, k))
+        act = quantize_act_fast(r(m, k).to(DT), 4, "triton")
+        close(f"w8a8 triton {m}x{k}x{n} {tiles}",
+              K.w8a8_triton(act, w8.view(torch.uint8), sc, DT, tiles),
+              K.w8a8_linear(act, w8.view(torch.uint8), sc, "torch", out_dtype=DT), 1e-2)
     if K.w8a8_supported(256, 512, torch.device(device)):   # Hopper, CUDA 12.9+ (GPU run)
         w8, sc = quantize_weight_block(r(256, 512))
         for m in (64, 7):                                      # 7 rows: padded to 8 inside
