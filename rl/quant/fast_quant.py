@@ -67,17 +67,25 @@ if triton is not None:
         return x.to(tl.float8e4nv)
 
     @triton.jit
+    def quant_blocks(y, AXIS: tl.constexpr, EXACT: tl.constexpr):
+        """y (fp32, 2-D) whose 128-wide blocks run along AXIS -> (their e4m3 bytes as uint8,
+        one scale amax / 448 per block): the activation quantiser's one formula, used by every
+        kernel that writes a `QuantAct`."""
+        scale = tl.maximum(tl.max(tl.abs(y), axis=AXIS), 1e-12) * (1.0 / 448.0)
+        q = to_e4m3(tl.minimum(tl.maximum(y / tl.expand_dims(scale, AXIS), -448.0), 448.0),
+                    EXACT)
+        return q.to(tl.uint8, bitcast=True), scale
+
+    @triton.jit
     def store_act_blocks(x, q_ptr, s_ptr, row, K, n, M_PAD, NBP: tl.constexpr,
                          EXACT: tl.constexpr):
         """NBP * 128 fp32 values of row `row` (zero past the first n) as 1x128 e4m3 blocks into
         q_ptr + row * K (a row of q (M', K)), and their scales into column `row` of s (G, M')
         (M' = M_PAD). A kernel covering part of a row passes pointers and n from its start."""
-        xb = tl.reshape(x, (NBP, 128))
-        scale = tl.maximum(tl.max(tl.abs(xb), axis=1), 1e-12) * (1.0 / 448.0)
-        q = to_e4m3(tl.minimum(tl.maximum(xb / scale[:, None], -448.0), 448.0), EXACT)
+        q, scale = quant_blocks(tl.reshape(x, (NBP, 128)), 1, EXACT)
         blk = tl.arange(0, NBP)
         cols = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
-        tl.store(q_ptr + row * K + cols, q.to(tl.uint8, bitcast=True), mask=cols < n)
+        tl.store(q_ptr + row * K + cols, q, mask=cols < n)
         tl.store(s_ptr + blk * M_PAD + row, scale, mask=blk * 128 < n)
 
     @triton.jit

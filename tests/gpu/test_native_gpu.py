@@ -274,8 +274,8 @@ def test_fp8_weights_take_the_w8a8_gemm(model_dirs, report, monkeypatch):
                                  for i, m in enumerate(("mean", "max"))},
            w8a8_calls=kls["auto"][2], prequantised_inputs=kls["auto"][3])
     # 4 linears x 4 layers, in the prefill and in each of the 31 decode steps; of them, fused
-    # producers feed qkv, gate_up and down at decode and the down GEMM in the prefill
+    # producers feed all four at decode and the down GEMM in the prefill
     for gemm in ("auto", "cublas", "triton"):      # auto: ours at decode, cuBLAS in the prefill
-        assert kls[gemm][2] == 4 * 4 * 32 and kls[gemm][3] == 4 * (3 * 31 + 1), kls
+        assert kls[gemm][2] == 4 * 4 * 32 and kls[gemm][3] == 4 * (4 * 31 + 1), kls
         assert kls[gemm][0] < 0.05, kls
     assert kls["w8a16"][2] == 0 and kls["w8a16"][0] < 0.05, kls

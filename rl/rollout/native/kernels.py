@@ -134,7 +134,7 @@ def _grouped_torch(x, w, scale, offs):
 # ======================================================================================
 if triton is not None:
     from rl.quant.fast_quant import INTERPRETED as _INTERPRETED
-    from rl.quant.fast_quant import store_act_blocks, to_e4m3 as _to_e4m3
+    from rl.quant.fast_quant import quant_blocks, store_act_blocks, to_e4m3 as _to_e4m3
     from rl.rollout.native.kvcache import store_kv
 
     @triton.jit
@@ -296,9 +296,13 @@ if triton is not None:
         return m, l_sum, acc
 
     @triton.jit
-    def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, start_ptr, pos_ptr, sm_scale,
-                            stride_cb, stride_ch, G: tl.constexpr, GP: tl.constexpr,
-                            NH: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr):
+    def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, s_ptr, start_ptr, pos_ptr, sm_scale,
+                            stride_cb, stride_ch, M_PAD, G: tl.constexpr, GP: tl.constexpr,
+                            NH: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr,
+                            QUANT: tl.constexpr, EXACT: tl.constexpr):
+        """BF16 cache, one (row, kv head). QUANT (D = 128): each query head's output, rounded to
+        q's dtype, as one 1x128 e4m3 block of the o projection's W8A8 input (bytes into o_ptr,
+        scale into column `b` of s_ptr (NH, M_PAD)): `_store_out`."""
         b = tl.program_id(0).to(tl.int64)
         hk = tl.program_id(1)
         start = tl.load(start_ptr + b)
@@ -310,9 +314,14 @@ if triton is not None:
         m, l_sum, acc = _attn_blocks(q, kc_ptr, vc_ptr, b * stride_cb + hk * stride_ch, start,
                                      end, (start // BLOCK_L) * BLOCK_L, end, sm_scale, GP, D,
                                      BLOCK_L)
-        out = acc / l_sum[:, None]
+        out = (acc / l_sum[:, None]).to(q_ptr.dtype.element_ty)
         o_rows = o_ptr + (b * NH + hk * G + g)[:, None] * D + d[None, :]
-        tl.store(o_rows, out.to(o_ptr.dtype.element_ty), mask=g[:, None] < G)
+        if QUANT:
+            qb, sc = quant_blocks(out.to(tl.float32), 1, EXACT)
+            tl.store(o_rows, qb, mask=g[:, None] < G)
+            tl.store(s_ptr + (hk * G + g) * M_PAD + b, sc, mask=g < G)
+        else:
+            tl.store(o_rows, out, mask=g[:, None] < G)
 
     @triton.jit
     def _split_range(start, end, sid, S: tl.constexpr, BLOCK_L: tl.constexpr):
@@ -350,14 +359,15 @@ if triton is not None:
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
 
     @triton.jit
-    def _decode_attn_fp8_kernel(q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, o_ptr, m_ptr, l_ptr,
-                                start_ptr, pos_ptr, sm_scale, stride_cb, stride_ch, stride_vd,
-                                stride_eb, stride_eh, S: tl.constexpr, G: tl.constexpr,
-                                GP: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
-                                BLOCK_L: tl.constexpr, QK8: tl.constexpr, PV8: tl.constexpr,
-                                EXACT: tl.constexpr):
-        """FP8 cache, one (row, kv head) (S = 1: out into o_ptr) or its split `sid` of S
-        (partials m, l into m_ptr, l_ptr and acc into o_ptr, fp32, as the split kernel)."""
+    def _decode_attn_fp8_kernel(q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, o_ptr, s_ptr, m_ptr,
+                                l_ptr, start_ptr, pos_ptr, sm_scale, stride_cb, stride_ch,
+                                stride_vd, stride_eb, stride_eh, M_PAD, S: tl.constexpr,
+                                G: tl.constexpr, GP: tl.constexpr, NH: tl.constexpr,
+                                D: tl.constexpr, BLOCK_L: tl.constexpr, QK8: tl.constexpr,
+                                PV8: tl.constexpr, QUANT: tl.constexpr, EXACT: tl.constexpr):
+        """FP8 cache, one (row, kv head) (S = 1: out into o_ptr, QUANT as `_decode_attn_kernel`)
+        or its split `sid` of S (partials m, l into m_ptr, l_ptr and acc into o_ptr, fp32, as
+        the split kernel)."""
         b = tl.program_id(0).to(tl.int64)
         hk = tl.program_id(1)
         start = tl.load(start_ptr + b)
@@ -381,9 +391,13 @@ if triton is not None:
                                          b * stride_eb + hk * stride_eh, stride_vd, start, end,
                                          lo, hi, sm_scale, GP, D, BLOCK_L, QK8, PV8, EXACT)
         if S == 1:
-            out = acc / l_sum[None, :]
-            tl.store(o_ptr + rows[None, :] * D + d[:, None], out.to(o_ptr.dtype.element_ty),
-                     mask=g[None, :] < G)
+            out = (acc / l_sum[None, :]).to(q_ptr.dtype.element_ty)          # out^T (D, GP)
+            if QUANT:
+                qb, sc = quant_blocks(out.to(tl.float32), 0, EXACT)
+                tl.store(o_ptr + rows[None, :] * D + d[:, None], qb, mask=g[None, :] < G)
+                tl.store(s_ptr + (hk * G + g) * M_PAD + b, sc, mask=g < G)
+            else:
+                tl.store(o_ptr + rows[None, :] * D + d[:, None], out, mask=g[None, :] < G)
         else:
             part = rows * S + tl.program_id(2)
             tl.store(m_ptr + part, m, mask=g < G)
@@ -668,7 +682,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      impl: str = "torch", block_l: int = 64, k_exp: torch.Tensor | None = None,
                      v_exp: torch.Tensor | None = None, splits: int | None = 1,
                      fp8_mma: tuple[bool, bool] | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None) -> torch.Tensor:
+                     num_stages: int | None = None, quant_out: bool = False
+                     ) -> torch.Tensor | QuantAct:
     """(B, NH, D) attention output of one query per row over slots [start[b], pos]; FP8 caches
     with their scale exponents and V transposed (see `qk_norm_rope_cache`).
 
@@ -679,15 +694,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     FP8 caches (triton): `fp8_mma` = (QK, PV) products in e4m3 (`_attn_blocks_fp8`; PV only
     with block_l >= 32), None = both where `fp8_mma_supported`; the cache length must be a
     multiple of `block_l` (KVCache pads it). `num_warps` / `num_stages`: Triton's launch
-    options (None: its defaults); `bench.decode_attention` sweeps them."""
+    options (None: its defaults); `bench.decode_attention` sweeps them.
+    `quant_out`: the output as the o projection's W8A8 input, (B, NH * D) in 1x128 blocks
+    (`QuantAct`), quantised in the single-pass kernels' epilogue when D is 128 (else by the
+    one-pass quantiser after)."""
     if impl == "torch":
-        return _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp, v_exp)
+        out = _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp, v_exp)
+        return quantize_act_fast(out.reshape(out.shape[0], -1), 4, "torch") if quant_out else out
     b, nh, d = q.shape
     nkv = k_cache.shape[1]
     g = nh // nkv
     if splits is None:
         splits = decode_splits(b, nkv, k_cache.shape[2], block_l)
-    out = torch.empty_like(q)
+    fused = quant_out and splits == 1 and d == DEFAULT_BLOCK
+    if fused:   # padding rows (a bucket of 1 or 2) must quantise to zeros: no kernel writes them
+        qbuf, sc, m_pad = act_buffers(b, nh * d, q.device, 4)
+        if m_pad != b:
+            qbuf.zero_(), sc.fill_(1.0)
+        out = qbuf
+    else:
+        out, sc, m_pad = torch.empty_like(q), q, b
+    quant = dict(QUANT=fused, EXACT=_INTERPRETED)
     consts = dict(G=g, GP=max(16, _next_pow2(g)), NH=nh, D=d, BLOCK_L=block_l)
     consts.update({k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages))
                    if v is not None})
@@ -706,13 +733,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         pv8 = pv8 and block_l >= 32             # an e4m3 MMA reduces over 32 at a time
         _decode_attn_fp8_kernel[(b, nkv, splits)](
             q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_exp, v_exp,
-            out if splits == 1 else acc, m, l_sum, start, pos, sm_scale, k_cache.stride(0),
-            k_cache.stride(1), v_cache.stride(2), k_exp.stride(0), k_exp.stride(1), S=splits,
-            QK8=qk8, PV8=pv8, EXACT=_INTERPRETED, **consts)
+            out if splits == 1 else acc, sc, m, l_sum, start, pos, sm_scale, k_cache.stride(0),
+            k_cache.stride(1), v_cache.stride(2), k_exp.stride(0), k_exp.stride(1), m_pad,
+            S=splits, QK8=qk8, PV8=pv8, **quant, **consts)
     elif splits == 1:
-        _decode_attn_kernel[(b, nkv)](q, k_cache, v_cache, out, start, pos, sm_scale,
-                                      k_cache.stride(0), k_cache.stride(1), **consts)
-        return out
+        _decode_attn_kernel[(b, nkv)](q, k_cache, v_cache, out, sc, start, pos, sm_scale,
+                                      k_cache.stride(0), k_cache.stride(1), m_pad, **quant,
+                                      **consts)
     else:
         _decode_attn_split_kernel[(b, nkv, splits)](q, k_cache, v_cache, m, l_sum, acc, start,
                                                     pos, sm_scale, k_cache.stride(0),
@@ -720,7 +747,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if splits > 1:
         _decode_attn_combine_kernel[(b * nh,)](m, l_sum, acc, out, S=splits,
                                                SP=_next_pow2(splits), D=d)
-    return out
+    if fused:
+        return QuantAct(qbuf.view(torch.float8_e4m3fn), sc.t(), b)
+    return quantize_act_fast(out.view(b, nh * d), 4, impl) if quant_out else out
 
 
 def silu_mul(x: torch.Tensor, impl: str = "torch", quant: bool = False

@@ -102,9 +102,13 @@ def attention_settings(fp8_kv: bool) -> dict:
     return dict(block_l=KV_FP8_SLOT_ALIGN) if fp8_kv else {}
 
 
-# Decode batches up to this many rows take our W8A8 kernel (`kernels.w8a8_triton`), larger
-# ones (prefill, scoring) cuBLAS's block-scaled GEMM: set from bench/results/fp8_gemm.md.
-W8A8_TRITON_ROWS = 256
+# Which W8A8 kernel a GEMM takes, from bench/results/fp8_gemm.md (H200): ours
+# (`kernels.w8a8_triton`, split-K) for skinny GEMMs with a long K at small batches, where it
+# beats cuBLAS's block-scaled GEMM by 10-20% (o and down at 64 rows: 7.5 vs 8.3 us, 9.6 vs
+# 11.6; a 30B-sized 4096 x 8192 at 64 rows: 22.4 vs 25.1); cuBLAS's everywhere else (it wins
+# at 256 rows and at K = 1024).
+W8A8_TRITON_ROWS = 64
+W8A8_TRITON_MIN_K = 2048
 
 
 class NativeQwen3:
@@ -121,9 +125,9 @@ class NativeQwen3:
         self.fp8_mma: tuple[bool, bool] | None = None
         """Tests: the FP8-cache attention's (QK, PV) e4m3 products (None: the kernel's choice)."""
         self.fp8_gemm = "auto"
-        """FP8 weights' GEMM: "auto" = W8A8 where `kernels.w8a8_supported` (our Triton kernel up
-        to `W8A8_TRITON_ROWS` rows, cuBLAS's above), else W8A16; tests and benchmarks pin
-        "cublas" or "triton" (W8A8 on that kernel) or "w8a16"."""
+        """FP8 weights' GEMM: "auto" = W8A8 where `kernels.w8a8_supported` (our Triton kernel
+        up to `W8A8_TRITON_ROWS` rows when K >= `W8A8_TRITON_MIN_K`, else cuBLAS's), else
+        W8A16; tests and benchmarks pin "cublas" or "triton" (W8A8 on that kernel) or "w8a16"."""
         self.fp8, self.kv_fp8 = fp8, kv_fp8
         self.routes: dict[int, torch.Tensor] = {}
         """MoE layer -> (T, top_k) expert ids of the last forward through it."""
@@ -299,7 +303,8 @@ class NativeQwen3:
             gemm = self.fp8_gemm
             if gemm == "auto":
                 rows = x.rows if isinstance(x, QuantAct) else x.shape[0]
-                gemm = "triton" if rows <= W8A8_TRITON_ROWS else "cublas"
+                gemm = ("triton" if rows <= W8A8_TRITON_ROWS
+                        and slot.w.shape[1] >= W8A8_TRITON_MIN_K else "cublas")
             return K.w8a8_linear(x, slot.w, slot.scale, impl=self.impl, out_dtype=self.dtype,
                                  gemm=gemm)
         if self.impl == "triton" and x.shape[0] <= _DEQUANT_ROWS:
@@ -423,9 +428,10 @@ class NativeQwen3:
             q = K.qk_norm_rope_cache(qkv, self.tensors[p + "q_norm"], self.tensors[p + "k_norm"],
                                      self.cos, self.sin, start, pos, kc, vc, s.nh, s.nkv, s.eps,
                                      impl, ke, ve)
+            quant = self.w8a8(p + "o")  # then the kernel hands over the o GEMM's FP8 input
             a = K.decode_attention(q, kc, vc, start, pos, s.head_dim ** -0.5, impl, k_exp=ke,
-                                   v_exp=ve, splits=splits, **attn)
-            o = self.linear(a.view(b, s.nh * s.head_dim), p + "o")
+                                   v_exp=ve, splits=splits, quant_out=quant, **attn)
+            o = self.linear(a if quant else a.view(b, s.nh * s.head_dim), p + "o")
             # a dense layer's norm feeds one W8A8 GEMM; an MoE layer's also feeds its router
             h, resid = K.rmsnorm(o, self.tensors[p + "ln2"], s.eps, resid, impl,
                                  quant=not s.is_moe[i] and self.w8a8(p + "gate_up"))

@@ -263,6 +263,24 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
     gu2 = r(6, 2 * 384).to(DT)
     same_quant("silu_mul+quant", K.silu_mul(gu2, "triton", quant=True), K.silu_mul(gu2, "torch"))
 
+    # The attention hands the o projection its input quantised (head_dim 128: one block per
+    # query head), in the single-pass kernels' epilogue, the split path after its combine:
+    # what the one-pass quantiser makes of the plain output, 3 rows padded to 4 with zeros.
+    qa = r(3, 4, 128).to(DT)
+    st_a, pos_a = torch.tensor([0, 9, 30], dtype=torch.int32, device=device), \
+        torch.tensor([40], dtype=torch.int32, device=device)
+    kv_a = [r(3, 2, 64, 128).to(DT) for _ in range(2)]
+    f8_a = [fp8_cache(c, 64, v=i == 1) for i, c in enumerate(kv_a)]
+    for kv, cache_args, kw in (
+            ("bf16", kv_a, {}),
+            ("fp8", [f8_a[0][0], f8_a[1][0]], dict(k_exp=f8_a[0][1], v_exp=f8_a[1][1]))):
+        for splits in (1, 2):
+            call = lambda quant: K.decode_attention(  # noqa: E731
+                qa, *cache_args, st_a, pos_a, 128 ** -0.5, "triton", 16 if kv == "fp8" else 64,
+                splits=splits, quant_out=quant, **kw)
+            same_quant(f"attention+quant {kv} splits={splits}", call(True),
+                       call(False).reshape(3, 4 * 128))
+
     # Our W8A8 kernel (e4m3 x e4m3 on the tensor cores, block scales applied per K block) =
     # its emulation; split-K, a partial N tile, rows padded by the quantiser.
     for m, n, k, tiles in ((7, 200, 384, None), (40, 256, 1024, dict(split=3)),
