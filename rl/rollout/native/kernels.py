@@ -359,15 +359,14 @@ if triton is not None:
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
 
     @triton.jit
-    def _decode_attn_fp8_kernel(q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, o_ptr, s_ptr, m_ptr,
-                                l_ptr, start_ptr, pos_ptr, sm_scale, stride_cb, stride_ch,
-                                stride_vd, stride_eb, stride_eh, M_PAD, S: tl.constexpr,
-                                G: tl.constexpr, GP: tl.constexpr, NH: tl.constexpr,
-                                D: tl.constexpr, BLOCK_L: tl.constexpr, QK8: tl.constexpr,
-                                PV8: tl.constexpr, QUANT: tl.constexpr, EXACT: tl.constexpr):
-        """FP8 cache, one (row, kv head) (S = 1: out into o_ptr, QUANT as `_decode_attn_kernel`)
-        or its split `sid` of S (partials m, l into m_ptr, l_ptr and acc into o_ptr, fp32, as
-        the split kernel)."""
+    def _decode_attn_fp8_kernel(q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, o_ptr, m_ptr, l_ptr,
+                                start_ptr, pos_ptr, sm_scale, stride_cb, stride_ch, stride_vd,
+                                stride_eb, stride_eh, S: tl.constexpr, G: tl.constexpr,
+                                GP: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
+                                BLOCK_L: tl.constexpr, QK8: tl.constexpr, PV8: tl.constexpr,
+                                EXACT: tl.constexpr):
+        """FP8 cache, one (row, kv head) (S = 1: out into o_ptr) or its split `sid` of S
+        (partials m, l into m_ptr, l_ptr and acc into o_ptr, fp32, as the split kernel)."""
         b = tl.program_id(0).to(tl.int64)
         hk = tl.program_id(1)
         start = tl.load(start_ptr + b)
@@ -391,13 +390,9 @@ if triton is not None:
                                          b * stride_eb + hk * stride_eh, stride_vd, start, end,
                                          lo, hi, sm_scale, GP, D, BLOCK_L, QK8, PV8, EXACT)
         if S == 1:
-            out = (acc / l_sum[None, :]).to(q_ptr.dtype.element_ty)          # out^T (D, GP)
-            if QUANT:
-                qb, sc = quant_blocks(out.to(tl.float32), 0, EXACT)
-                tl.store(o_ptr + rows[None, :] * D + d[:, None], qb, mask=g[None, :] < G)
-                tl.store(s_ptr + (hk * G + g) * M_PAD + b, sc, mask=g < G)
-            else:
-                tl.store(o_ptr + rows[None, :] * D + d[:, None], out, mask=g[None, :] < G)
+            out = acc / l_sum[None, :]
+            tl.store(o_ptr + rows[None, :] * D + d[:, None], out.to(o_ptr.dtype.element_ty),
+                     mask=g[None, :] < G)
         else:
             part = rows * S + tl.program_id(2)
             tl.store(m_ptr + part, m, mask=g < G)
@@ -696,8 +691,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     multiple of `block_l` (KVCache pads it). `num_warps` / `num_stages`: Triton's launch
     options (None: its defaults); `bench.decode_attention` sweeps them.
     `quant_out`: the output as the o projection's W8A8 input, (B, NH * D) in 1x128 blocks
-    (`QuantAct`), quantised in the single-pass kernels' epilogue when D is 128 (else by the
-    one-pass quantiser after)."""
+    (`QuantAct`), quantised in the BF16-cache single-pass kernel's epilogue when D is 128, else
+    by the one-pass quantiser after."""
     if impl == "torch":
         out = _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp, v_exp)
         return quantize_act_fast(out.reshape(out.shape[0], -1), 4, "torch") if quant_out else out
@@ -706,7 +701,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     g = nh // nkv
     if splits is None:
         splits = decode_splits(b, nkv, k_cache.shape[2], block_l)
-    fused = quant_out and splits == 1 and d == DEFAULT_BLOCK
+    # Fused into the BF16-cache kernel only: in the FP8-cache kernel the output is transposed
+    # (D on the MMA's M side, across warps), and its quantising epilogue cost ~3.7 us per call
+    # at 256 x ~1,000 against ~2.1 us for the one-pass quantiser after (decode_profile, H200).
+    fused = quant_out and splits == 1 and d == DEFAULT_BLOCK and k_exp is None
     if fused:   # padding rows (a bucket of 1 or 2) must quantise to zeros: no kernel writes them
         qbuf, sc, m_pad = act_buffers(b, nh * d, q.device, 4)
         if m_pad != b:
@@ -714,7 +712,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out = qbuf
     else:
         out, sc, m_pad = torch.empty_like(q), q, b
-    quant = dict(QUANT=fused, EXACT=_INTERPRETED)
     consts = dict(G=g, GP=max(16, _next_pow2(g)), NH=nh, D=d, BLOCK_L=block_l)
     consts.update({k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages))
                    if v is not None})
@@ -733,13 +730,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         pv8 = pv8 and block_l >= 32             # an e4m3 MMA reduces over 32 at a time
         _decode_attn_fp8_kernel[(b, nkv, splits)](
             q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_exp, v_exp,
-            out if splits == 1 else acc, sc, m, l_sum, start, pos, sm_scale, k_cache.stride(0),
-            k_cache.stride(1), v_cache.stride(2), k_exp.stride(0), k_exp.stride(1), m_pad,
-            S=splits, QK8=qk8, PV8=pv8, **quant, **consts)
+            out if splits == 1 else acc, m, l_sum, start, pos, sm_scale, k_cache.stride(0),
+            k_cache.stride(1), v_cache.stride(2), k_exp.stride(0), k_exp.stride(1), S=splits,
+            QK8=qk8, PV8=pv8, EXACT=_INTERPRETED, **consts)
     elif splits == 1:
         _decode_attn_kernel[(b, nkv)](q, k_cache, v_cache, out, sc, start, pos, sm_scale,
-                                      k_cache.stride(0), k_cache.stride(1), m_pad, **quant,
-                                      **consts)
+                                      k_cache.stride(0), k_cache.stride(1), m_pad, QUANT=fused,
+                                      EXACT=_INTERPRETED, **consts)
     else:
         _decode_attn_split_kernel[(b, nkv, splits)](q, k_cache, v_cache, m, l_sum, acc, start,
                                                     pos, sm_scale, k_cache.stride(0),
