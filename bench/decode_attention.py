@@ -44,8 +44,8 @@ def variants(rows: int, ctx: int) -> list[dict]:
         out += [dict(kv="fp8", block_l=b, num_warps=None, fp8_mma=mma, splits=auto,
                      num_stages=None) for b in (64, 128) for mma in (MMA[0], MMA[2])]
     # Forced splits: with one program per (row, kv head), 2,048 equal programs at 256 rows
-    # make 5.2 waves at 3 resident per SM, i.e. a sixth wave one fifth full; splits trade that
-    # tail for a combine kernel.
+    # make 5.2 waves at 3 resident per SM, a sixth wave one fifth full; do splits (more, shorter
+    # programs and a combine kernel) recover that tail? (H200: no, 154 / 167 us vs 151.)
     out += [dict(kv=kv, block_l=b, num_warps=None, fp8_mma=MMA[0] if kv == "fp8" else None,
                  splits=s, num_stages=None)
             for kv, b in (("bf16", 64), ("fp8", 128)) for s in (2, 3) if s != auto]
