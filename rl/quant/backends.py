@@ -20,8 +20,9 @@ cannot run raises `BackendUnavailableError` saying why.
 
 Speed (H200, torch 2.11): with torch ops for the activation quantisation (~100-180 us at
 M=64, K=4096) this path was slower than a BF16 matmul at every size measured; with the Triton
-quantiser, cuBLAS's block-scaled GEMM plus quantisation runs at 0.53-0.86x cuBLAS BF16 at
-Qwen3-0.6B's decode shapes and 1.02-1.16x at Qwen3-30B-A3B's (`bench/results/fp8_gemm.md`).
+quantiser, cuBLAS's block-scaled GEMM plus quantisation runs at 0.52-0.86x cuBLAS BF16 at
+Qwen3-0.6B's decode shapes and 0.81-1.00x at a Qwen3-30B-sized 4096 x 8192
+(`bench/results/fp8_gemm.md`, 64 and 256 rows).
 """
 from __future__ import annotations
 

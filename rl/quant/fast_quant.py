@@ -148,7 +148,6 @@ def _quantize_triton(w: torch.Tensor, pow2: bool, out: torch.Tensor | None = Non
     return q, scale
 
 
-
 def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 

@@ -294,11 +294,10 @@ class NativeQwen3:
         slot = self.linears[key]
         if not slot.fp8:
             return F.linear(x, slot.w)
-        # W8A8 (activations to e4m3 in 1x128 blocks, cuBLAS's block-scaled FP8 GEMM) at every
-        # row count, so that prefill, scoring and decode round alike: at Qwen3-0.6B's decode
-        # shapes on an H200 it takes 0.55-0.86x cuBLAS BF16's speed with the quantisation where
-        # our W8A16 kernel reaches 0.28-0.45x (256 rows), and the two are within 5% of each
-        # other at 64 rows (bench/results/fp8_gemm.md).
+        # W8A8 (activations in e4m3 1x128 blocks, a block-scaled FP8 GEMM) at every row count,
+        # so that prefill, scoring and decode round alike: at Qwen3-0.6B's decode shapes on an
+        # H200 it beats our W8A16 kernel everywhere (bench/results/fp8_gemm.md), and decode's
+        # inputs mostly arrive quantised by the kernel that produced them.
         if isinstance(x, QuantAct) or self.w8a8(key):
             gemm = self.fp8_gemm
             if gemm == "auto":
