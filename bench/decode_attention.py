@@ -68,7 +68,7 @@ def main() -> None:
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     from rl.rollout.native import kernels as K
-    from rl.rollout.native.kvcache import quantize_kv, v_tiles
+    from rl.rollout.native.kvcache import quantize_kv
     gpu = not args.smoke
     device = "cuda" if gpu else "cpu"
     shapes = [(4, 128)] if args.smoke else [tuple(int(x) for x in s.split("x"))
@@ -85,7 +85,7 @@ def main() -> None:
         vc = torch.randn(rows, NKV, ctx, D, device=device, generator=g).to(dt)
         k8, ke = quantize_kv(kc)
         v8, ve = quantize_kv(vc)
-        v8 = v_tiles(v8)                  # the FP8 cache's V layout: (L / 16, D, 16) tiles
+        v8 = v8.transpose(-1, -2).contiguous()            # the FP8 cache's V layout: (D, L)
         start = torch.zeros(rows, dtype=torch.int32, device=device)
         pos = torch.tensor([ctx - 1], dtype=torch.int32, device=device)
         scale = D ** -0.5

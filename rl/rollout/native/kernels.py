@@ -13,8 +13,8 @@ Ops (shapes: B rows, NH query heads, NKV kv heads, D head dim, L cache length):
   (FP8 caches: quantised on write, see `rl.rollout.native.kvcache`).
 - `decode_attention(q (B, NH, D), k_cache, v_cache (B, NKV, L, D), start (B,), pos (1,))`: one
   query per row over cache slots [start[b], pos]; online softmax in fp32. FP8 caches are read
-  as bytes, V transposed in 16-slot tiles (B, NKV, L / 16, D, 16); their per-token scales
-  multiply the scores and softmax weights. `splits` > 1: split-K (flash-decoding), each (row, kv head)'s context split over that
+  as bytes, V transposed (B, NKV, D, L); their per-token scales multiply the scores and softmax
+  weights. `splits` > 1: split-K (flash-decoding), each (row, kv head)'s context split over that
   many programs whose fp32 partials a second kernel combines; `decode_splits` picks the count
   from batch and context.
 - `silu_mul(x (M, 2I))`: `silu(x[:, :I]) * x[:, I:]`.
@@ -42,7 +42,7 @@ import torch
 from rl.quant.backends import block_scaled_mm, cuda_unavailable_reason, fp8_linear
 from rl.quant.block_fp8 import DEFAULT_BLOCK, dequantize_act_group, dequantize_weight_block
 from rl.quant.fast_quant import QuantAct, act_buffers, quantize_act_fast
-from rl.rollout.native.kvcache import V_TILE, dequantize_kv, quantize_kv, v_untile
+from rl.rollout.native.kvcache import dequantize_kv, quantize_kv
 
 try:  # Triton is optional: the CPU engine never needs it
     import triton
@@ -94,7 +94,7 @@ def _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, 
         k8, ke = quantize_kv(k)
         v8, ve = quantize_kv(v)
         k_cache[:b, :, p] = k8.view(k_cache.dtype)
-        v_cache[:b, :, p // V_TILE, :, p % V_TILE] = v8.view(v_cache.dtype)  # (D, 16) tiles
+        v_cache[:b, :, :, p] = v8.view(v_cache.dtype)        # FP8 V is stored (D, L)
         k_exp[:b, :, p], v_exp[:b, :, p] = ke, ve
     return q.to(qkv.dtype)
 
@@ -107,7 +107,7 @@ def _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp=None, v_ex
         k, v = k_cache[:b, :, :end].float(), v_cache[:b, :, :end].float()
     else:
         k = dequantize_kv(k_cache[:b, :, :end], k_exp[:b, :, :end])
-        v = dequantize_kv(v_untile(v_cache[:b])[:, :, :end], v_exp[:b, :, :end])
+        v = dequantize_kv(v_cache[:b, :, :, :end].transpose(-1, -2), v_exp[:b, :, :end])
     qg = q.float().view(b, nkv, nh // nkv, d)
     scores = torch.einsum("bhgd,bhld->bhgl", qg, k) * sm_scale
     slots = torch.arange(end, device=q.device)
@@ -136,8 +136,6 @@ if triton is not None:
     from rl.quant.fast_quant import INTERPRETED as _INTERPRETED
     from rl.quant.fast_quant import quant_blocks, store_act_blocks, to_e4m3 as _to_e4m3
     from rl.rollout.native.kvcache import store_kv
-
-    _VT = tl.constexpr(V_TILE)          # slots per (D, 16) tile of an FP8 cache's V
 
     @triton.jit
     def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, s_ptr, M, H, M_PAD, eps,
@@ -175,7 +173,7 @@ if triton is not None:
     @triton.jit
     def _qk_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, start_ptr, pos_ptr,
                               q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, eps, stride_qkv, stride_cb,
-                              stride_ch, stride_eb, stride_eh, NH: tl.constexpr,
+                              stride_ch, stride_vd, stride_eb, stride_eh, NH: tl.constexpr,
                               NKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                               FP8_KV: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)  # b x cache stride can pass 2^31 for big caches
@@ -198,11 +196,10 @@ if triton is not None:
             y1, y2 = _head_norm_rope(x1, x2, kn_ptr, c, s, eps, D, HALF)
             store_kv(kc_ptr + b * stride_cb + (h - NH) * stride_ch + pos * D,
                      ke_ptr + b * stride_eb + (h - NH) * stride_eh + pos, y1, y2, HALF, FP8_KV)
-        elif FP8_KV:  # V: the token is column pos % 16 of the (D, 16) tile of its slot group
-            store_kv(vc_ptr + b * stride_cb + (h - NH - NKV) * stride_ch
-                     + (pos // _VT) * (D * _VT) + pos % _VT,
+        elif FP8_KV:  # V^T: the token is column `pos` of a (D, L) tile
+            store_kv(vc_ptr + b * stride_cb + (h - NH - NKV) * stride_ch + pos,
                      ve_ptr + b * stride_eb + (h - NH - NKV) * stride_eh + pos, x1, x2, HALF,
-                     FP8_KV, _VT)
+                     FP8_KV, stride_vd)
         else:
             store_kv(vc_ptr + b * stride_cb + (h - NH - NKV) * stride_ch + pos * D,
                      ve_ptr, x1, x2, HALF, FP8_KV)
@@ -241,14 +238,14 @@ if triton is not None:
                                                                           bitcast=True)
 
     @triton.jit
-    def _attn_blocks_fp8(qt, q_sc, kc_ptr, vc_ptr, ke_ptr, ve_ptr, base, e_base,
+    def _attn_blocks_fp8(qt, q_sc, kc_ptr, vc_ptr, ke_ptr, ve_ptr, base, e_base, stride_vd,
                          start, end, lo, hi, sm_scale, GP: tl.constexpr, D: tl.constexpr,
                          BLOCK_L: tl.constexpr, QK8: tl.constexpr, PV8: tl.constexpr,
                          EXACT: tl.constexpr):
         """`_attn_blocks` over an FP8 cache, transposed: the tile's slots are the MMA's M side
         (128 of them fill Hopper's 64-row FP8 MMA, where the 2 query heads of a KV head would
-        fill 2 of 16 rows), so s^T = K q^T and acc^T += V^T p^T. K (L, D) and V^T (D, L; in
-        16-slot (D, 16) tiles, 16-byte runs) are both K-contiguous for these products: their bytes go from HBM to the tensor cores with
+        fill 2 of 16 rows), so s^T = K q^T and acc^T += V^T p^T. K (L, D) and V^T (D, L) are
+        both K-contiguous for these products: their bytes go from HBM to the tensor cores with
         no conversion or byte-wise transposition.
 
         qt: q^T (D, GP), e4m3 with one scale per query head (QK8, scales q_sc) or fp16.
@@ -276,9 +273,8 @@ if triton is not None:
             v_sc_ahead = _kv_scales(ve_ptr + e_base + ahead, valid_ahead)
             k = tl.load(kc_ptr + base + slots[:, None] * D + d[None, :]).to(tl.float8e4nv,
                                                                                bitcast=True)
-            vt = tl.load(vc_ptr + base + (slots[None, :] // _VT) * (D * _VT)
-                         + d[:, None] * _VT + slots[None, :] % _VT).to(tl.float8e4nv,
-                                                                            bitcast=True)
+            vt = tl.load(vc_ptr + base + d[:, None] * stride_vd + slots[None, :]).to(
+                tl.float8e4nv, bitcast=True)
             if QK8:
                 st = tl.dot(k, qt) * q_sc[None, :]
             else:
@@ -364,7 +360,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_attn_fp8_kernel(q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, o_ptr, m_ptr, l_ptr,
-                                start_ptr, pos_ptr, sm_scale, stride_cb, stride_ch,
+                                start_ptr, pos_ptr, sm_scale, stride_cb, stride_ch, stride_vd,
                                 stride_eb, stride_eh, S: tl.constexpr, G: tl.constexpr,
                                 GP: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
                                 BLOCK_L: tl.constexpr, QK8: tl.constexpr, PV8: tl.constexpr,
@@ -391,7 +387,7 @@ if triton is not None:
             qt = qt.to(tl.float16)
         m, l_sum, acc = _attn_blocks_fp8(qt, q_sc, kc_ptr, vc_ptr, ke_ptr, ve_ptr,
                                          b * stride_cb + hk * stride_ch,
-                                         b * stride_eb + hk * stride_eh, start, end,
+                                         b * stride_eb + hk * stride_eh, stride_vd, start, end,
                                          lo, hi, sm_scale, GP, D, BLOCK_L, QK8, PV8, EXACT)
         if S == 1:
             out = acc / l_sum[None, :]
@@ -623,7 +619,7 @@ def qk_norm_rope_cache(qkv: torch.Tensor, qn_w: torch.Tensor, kn_w: torch.Tensor
                        ) -> torch.Tensor:
     """q (B, NH, D); writes k, v of every row into slot `pos` of k_cache / v_cache (B', NKV, L, D).
     FP8 caches (e4m3) come with their scale exponents k_exp / v_exp (B', NKV, L) uint8, and
-    v_cache in transposed 16-slot tiles: (B', NKV, L / 16, D, 16)."""
+    v_cache transposed: (B', NKV, D, L)."""
     if impl == "torch":
         return _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, eps,
                          k_exp, v_exp)
@@ -635,7 +631,7 @@ def qk_norm_rope_cache(qkv: torch.Tensor, qn_w: torch.Tensor, kn_w: torch.Tensor
     ke, ve = (k_exp, v_exp) if fp8 else (kc, vc)
     _qk_rope_cache_kernel[(b, nh + 2 * nkv)](
         qkv, qn_w, kn_w, cos, sin, start, pos, q, kc, vc, ke, ve, eps, qkv.stride(0),
-        k_cache.stride(0), k_cache.stride(1), ke.stride(0), ke.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(2), ke.stride(0), ke.stride(1),
         NH=nh, NKV=nkv, D=d, HALF=d // 2, FP8_KV=fp8)
     return q
 
@@ -726,18 +722,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         acc = torch.empty(b, nh, splits, d, dtype=torch.float32, device=q.device)
     if k_exp is not None:
         length = k_cache.shape[2]
-        if (length % block_l or block_l % V_TILE
-                or v_cache.shape[2:] != (length // V_TILE, d, V_TILE)):
-            raise ValueError(f"decode_attention: an FP8 cache needs V as (rows, kv heads, L / "
-                             f"{V_TILE}, {d}, {V_TILE}) and L a multiple of block_l {block_l}, "
-                             f"itself of {V_TILE}; got K {tuple(k_cache.shape)}, V "
-                             f"{tuple(v_cache.shape)}")
+        if length % block_l or v_cache.shape[2:] != (d, length):
+            raise ValueError(f"decode_attention: an FP8 cache needs V as (rows, kv heads, {d}, "
+                             f"L) and L a multiple of block_l {block_l}; got K "
+                             f"{tuple(k_cache.shape)}, V {tuple(v_cache.shape)}")
         qk8, pv8 = fp8_mma if fp8_mma is not None else (fp8_mma_supported(q.device),) * 2
         pv8 = pv8 and block_l >= 32             # an e4m3 MMA reduces over 32 at a time
         _decode_attn_fp8_kernel[(b, nkv, splits)](
             q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_exp, v_exp,
             out if splits == 1 else acc, m, l_sum, start, pos, sm_scale, k_cache.stride(0),
-            k_cache.stride(1), k_exp.stride(0), k_exp.stride(1), S=splits,
+            k_cache.stride(1), v_cache.stride(2), k_exp.stride(0), k_exp.stride(1), S=splits,
             QK8=qk8, PV8=pv8, EXACT=_INTERPRETED, **consts)
     elif splits == 1:
         _decode_attn_kernel[(b, nkv)](q, k_cache, v_cache, out, sc, start, pos, sm_scale,

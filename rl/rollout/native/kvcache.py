@@ -1,14 +1,11 @@
 """The `native` engine's static KV cache: model-dtype rows, or FP8 (`rollout.kv_cache_dtype: fp8`).
 
 Layout: K and V each (layers, rows, NKV, L, D); row b holds one sequence, slot j one token.
-An FP8 cache stores V transposed in tiles of `V_TILE` (16) slots, (layers, rows, NKV, L / 16,
-D, 16): each group of 16 slots is a (D, 16) block, so V^T tiles load as 16-byte runs and a
-token's write touches 16 bytes apart (2 per 32-byte sector) instead of a whole row length
-apart (one per sector). It pads L to a multiple of `rl.plan.kv.KV_FP8_SLOT_ALIGN` (128): its
-decode attention reads K and V^T tiles of 128 slots straight into e4m3 tensor-core products
-(`kernels._attn_blocks_fp8`), unmasked, so every tile lies inside the cache and every byte is a
-finite e4m3 (the cache starts zeroed; both writers store NaN as 0). `v_tiles` / `v_untile`
-convert between (..., L, D) and this layout.
+An FP8 cache stores V transposed, (layers, rows, NKV, D, L), and pads L to a multiple of
+`rl.plan.kv.KV_FP8_SLOT_ALIGN` (128): its decode attention reads K and V^T tiles of 128 slots
+straight into e4m3 tensor-core products (`kernels._attn_blocks_fp8`), unmasked, so every tile
+lies inside the cache and every byte is a finite e4m3 (the cache starts zeroed; both writers
+store NaN as 0).
 
 FP8: e4m3 values plus one scale per (layer, row, kv head, slot), i.e. per token and kv head,
 stored as one byte: the biased exponent of a power-of-two scale (e8m0, scale = 2**(e - 127)).
@@ -37,24 +34,6 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 FP8_MAX = 448.0
 _BIAS = 127
-V_TILE = 16
-
-
-def v_tiles(x: torch.Tensor) -> torch.Tensor:
-    """(..., L, D) -> an FP8 cache's V layout (..., ceil(L / 16), D, 16), zero-padded."""
-    *lead, length, d = x.shape
-    groups = -(-length // V_TILE)
-    if groups * V_TILE != length:
-        padded = x.new_zeros(*lead, groups * V_TILE, d)
-        padded[..., :length, :] = x
-        x = padded
-    return x.reshape(*lead, groups, V_TILE, d).transpose(-1, -2).contiguous()
-
-
-def v_untile(v: torch.Tensor) -> torch.Tensor:
-    """An FP8 cache's V (..., L / 16, D, 16) -> (..., L, D) (a copy)."""
-    *lead, groups, d, tile = v.shape
-    return v.transpose(-1, -2).reshape(*lead, groups * tile, d)
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,8 +59,8 @@ def dequantize_kv(x8: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
 
 class KVCache:
     """K and V for `rows` sequences of `max_len` slots (FP8: `slots(max_len, True)`), allocated
-    once (CUDA graphs keep pointers into it). FP8: V in transposed 16-slot tiles (see the
-    module docstring), and `k_exp` / `v_exp` (layers, rows, NKV, L) uint8."""
+    once (CUDA graphs keep pointers into it). FP8: V transposed, and `k_exp` / `v_exp`
+    (layers, rows, NKV, L) uint8."""
 
     def __init__(self, layers: int, rows: int, nkv: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, fp8: bool):
@@ -90,8 +69,8 @@ class KVCache:
         store = torch.float8_e4m3fn if fp8 else dtype
         self.fp8, self.rows = fp8, rows
         self.k = torch.zeros(dims, dtype=store, device=device)
-        self.v = torch.zeros((layers, rows, nkv, length // V_TILE, head_dim, V_TILE) if fp8
-                             else dims, dtype=store, device=device)
+        self.v = torch.zeros((layers, rows, nkv, head_dim, length) if fp8 else dims,
+                             dtype=store, device=device)
         self.k_exp = self.v_exp = None
         if fp8:
             self.k_exp = torch.full(dims[:-1], _BIAS, dtype=torch.uint8, device=device)
@@ -110,8 +89,8 @@ class KVCache:
                                    KV_FP8_SCALE_BYTES if fp8 else 0)
 
     def layer(self, i: int) -> tuple[torch.Tensor, ...]:
-        """(k, v, k_exp, v_exp) of layer i, each (rows, NKV, L[, D]) (FP8 v: (rows, NKV, L / 16,
-        D, 16)); exps None without fp8."""
+        """(k, v, k_exp, v_exp) of layer i, each (rows, NKV, L[, D]) (FP8 v: (rows, NKV, D, L));
+        exps None without fp8."""
         if not self.fp8:
             return self.k[i], self.v[i], None, None
         return self.k[i], self.v[i], self.k_exp[i], self.v_exp[i]
@@ -125,10 +104,7 @@ class KVCache:
             return
         (k8, ke), (v8, ve) = quantize_kv(k), quantize_kv(v)
         self.k[i, :b, :, :width], self.k_exp[i, :b, :, :width] = k8, ke
-        # whole 16-slot groups: the slots past `width` in the last one get zeros, which decode
-        # overwrites before any query reads them
-        tiles = v_tiles(v8)
-        self.v[i, :b, :, :tiles.shape[2]], self.v_exp[i, :b, :, :width] = tiles, ve
+        self.v[i, :b, :, :, :width], self.v_exp[i, :b, :, :width] = v8.transpose(-1, -2), ve
 
 
 # The Triton side of `quantize_kv`, called by the cache-writing kernel in `kernels`.
@@ -138,7 +114,7 @@ if triton is not None:
     @triton.jit
     def store_kv(dst, exp_dst, y1, y2, HALF: tl.constexpr, FP8_KV: tl.constexpr, step=None):
         """Write one head's halves (fp32): in dst's dtype, or as e4m3 bytes + scale exponent;
-        element i at dst + i, or at dst + i * step (FP8 V: a column of a (D, 16) tile).
+        element i at dst + i, or at dst + i * step (FP8 V^T: a column of a (D, L) tile).
         NaN is stored as 0: the decode attention loads whole tiles unmasked, and every byte of
         an FP8 cache must be a finite e4m3 (inf saturates to +-448)."""
         d = tl.arange(0, HALF)

@@ -26,14 +26,13 @@ def close(name: str, a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
 
 
 def fp8_cache(x: torch.Tensor, length: int, v: bool = False):
-    """(rows, NKV, L, D) -> the FP8 cache layout: e4m3 zero-padded to `length` slots (V in
-    transposed 16-slot tiles, (rows, NKV, L / 16, D, 16)) and scale exponents (rows, NKV,
-    length)."""
-    from rl.rollout.native.kvcache import quantize_kv, v_tiles
+    """(rows, NKV, L, D) -> the FP8 cache layout: e4m3 zero-padded to `length` slots (V
+    transposed to (rows, NKV, D, L)) and scale exponents (rows, NKV, length)."""
+    from rl.rollout.native.kvcache import quantize_kv
     pad = torch.zeros(*x.shape[:2], length - x.shape[2], x.shape[3], dtype=x.dtype,
                       device=x.device)
     x8, e = quantize_kv(torch.cat([x, pad], 2))
-    return (v_tiles(x8) if v else x8), e
+    return (x8.transpose(-1, -2).contiguous() if v else x8), e
 
 
 # (QK, PV) products of the FP8 decode attention: e4m3 both (Hopper), fp16 both (elsewhere),
@@ -165,7 +164,7 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
     # FP8 KV cache (64 slots: a multiple of both tiles below; V stored transposed): earlier
     # slots quantised from the caches above, then slot pos + 1 written by each implementation
     # (e4m3 bytes + scale exponents) and attended over.
-    from rl.rollout.native.kvcache import dequantize_kv, v_untile
+    from rl.rollout.native.kvcache import dequantize_kv
     caches[1][1, :, 2] = 0.0
     pos8 = pos + 1
     f8 = [list(fp8_cache(c, 64, v=i == 1)) for i, c in enumerate(caches)]
@@ -178,7 +177,7 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
     for name, (x8, e), (x8_ref, e_ref) in zip("kv", f8, f8_ref):
         slot = (slice(None, b), slice(None), int(pos8))
         if name == "v":
-            x8, x8_ref = v_untile(x8), v_untile(x8_ref)
+            x8, x8_ref = x8.transpose(-1, -2), x8_ref.transpose(-1, -2)
         assert (e[slot] == e_ref[slot]).all(), f"fp8 {name} scale exponents differ"
         close(f"fp8 {name} cache write", dequantize_kv(x8[slot], e[slot]),
               dequantize_kv(x8_ref[slot], e_ref[slot]), 2e-3 * tl_scale)
