@@ -302,7 +302,7 @@ if triton is not None:
                             QUANT: tl.constexpr, EXACT: tl.constexpr):
         """BF16 cache, one (row, kv head). QUANT (D = 128): each query head's output, rounded to
         q's dtype, as one 1x128 e4m3 block of the o projection's W8A8 input (bytes into o_ptr,
-        scale into column `b` of s_ptr (NH, M_PAD)): `_store_out`."""
+        scale into column `b` of s_ptr (NH, M_PAD))."""
         b = tl.program_id(0).to(tl.int64)
         hk = tl.program_id(1)
         start = tl.load(start_ptr + b)
