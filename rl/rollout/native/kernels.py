@@ -776,6 +776,24 @@ def _tiles(m: int, n: int) -> tuple[int, int]:
     return bm, bn
 
 
+def _split_k(m: int, n: int, kblocks: int, bm: int, bn: int, tiles: dict) -> tuple[int, int]:
+    """(K splits, K blocks per split) of a GEMM whose (M, N) output runs in BM x BN tiles:
+    skinny GEMMs with few output tiles (o_proj, down_proj at decode) leave most SMs idle, so
+    split K until ~2 waves of programs run, each over >= 2 K blocks; `tiles["split"]`
+    overrides. Partials go to `_partials` and are summed after the launch."""
+    tiles_mn = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = max(1, min(kblocks // 2, 264 // tiles_mn)) if tiles_mn < 132 else 1
+    per = triton.cdiv(kblocks, tiles.get("split", split))
+    return triton.cdiv(kblocks, per), per
+
+
+def _partials(split: int, m: int, n: int, dtype: torch.dtype, device: torch.device
+              ) -> torch.Tensor:
+    """A split-K launch's output: (split, M, N) fp32 partials, or (M, N) in `dtype` unsplit."""
+    return torch.empty((split, m, n) if split > 1 else (m, n),
+                       dtype=torch.float32 if split > 1 else dtype, device=device)
+
+
 def w8a16_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
                  impl: str = "torch", tiles: dict | None = None) -> torch.Tensor:
     """x (M, K) @ deq(w (N, K)).T -> (M, N) in x's dtype. `w` uint8 (e4m3 bytes) with fp32
@@ -796,16 +814,8 @@ def w8a16_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
     if bk not in (64, 128):
         raise ValueError(f"w8a16_linear: BK must be 64 or 128 (one scale per K block), got {bk}")
     fp8 = scale is not None
-    tiles_mn = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    kblocks = triton.cdiv(k, bk)
-    # Skinny GEMMs with few output tiles (o_proj, down_proj at decode) leave most SMs idle:
-    # split K so that ~2 waves of programs run, each over >= 2 K blocks.
-    split = max(1, min(kblocks // 2, 264 // tiles_mn)) if tiles_mn < 132 else 1
-    split = t.get("split", split)
-    per = triton.cdiv(kblocks, split)
-    split = triton.cdiv(kblocks, per)
-    y = torch.empty((split, m, n) if split > 1 else (m, n),
-                    dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    split, per = _split_k(m, n, triton.cdiv(k, bk), bm, bn, t)
+    y = _partials(split, m, n, x.dtype, x.device)
     launch = {key: t[key] for key in ("num_warps", "num_stages") if key in t}
     _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
         x, w, scale if fp8 else w, y, m, n, k, scale.stride(0) if fp8 else 0, per * bk,
@@ -837,14 +847,8 @@ def w8a8_triton(act: QuantAct, w: torch.Tensor, scale: torch.Tensor,
     t = tiles or {}
     bm = t.get("BM", 16 if m <= 16 else 32 if m <= 32 else 64)
     bn = t.get("BN", 64)
-    tiles_mn = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    kblocks = triton.cdiv(k, DEFAULT_BLOCK)
-    split = max(1, min(kblocks // 2, 264 // tiles_mn)) if tiles_mn < 132 else 1
-    split = t.get("split", split)
-    per = triton.cdiv(kblocks, split)
-    split = triton.cdiv(kblocks, per)
-    y = torch.empty((split, m, n) if split > 1 else (m, n),
-                    dtype=torch.float32 if split > 1 else out_dtype, device=act.q.device)
+    split, per = _split_k(m, n, triton.cdiv(k, DEFAULT_BLOCK), bm, bn, t)
+    y = _partials(split, m, n, out_dtype, act.q.device)
     launch = {key: t[key] for key in ("num_warps", "num_stages") if key in t}
     _w8a8_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
         act.q.view(torch.uint8), act.scale, w, scale, y, m, n, k, act.q.shape[0],
