@@ -42,8 +42,7 @@ import torch
 from rl.quant.backends import block_scaled_mm, cuda_unavailable_reason, fp8_linear
 from rl.quant.block_fp8 import DEFAULT_BLOCK, dequantize_act_group, dequantize_weight_block
 from rl.quant.fast_quant import QuantAct, act_buffers, quantize_act_fast
-from rl.rollout.native.kvcache import (V_TILE, check_v_tile, dequantize_kv, put_v, quantize_kv,
-                                       unpack_v)
+from rl.rollout.native.kvcache import dequantize_kv, quantize_kv
 
 try:  # Triton is optional: the CPU engine never needs it
     import triton
@@ -78,7 +77,7 @@ def _rope_torch(x, cos, sin):
 
 
 def _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, eps,
-              k_exp=None, v_exp=None, v_tile=V_TILE):
+              k_exp=None, v_exp=None):
     b = qkv.shape[0]
     d = qn_w.shape[0]
     p = int(pos.reshape(-1)[0])
@@ -95,13 +94,12 @@ def _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, 
         k8, ke = quantize_kv(k)
         v8, ve = quantize_kv(v)
         k_cache[:b, :, p] = k8.view(k_cache.dtype)
-        put_v(v_cache[:b], p, v8.view(v_cache.dtype), v_tile)  # FP8 V: (D, L), tile open
+        v_cache[:b, :, :, p] = v8.view(v_cache.dtype)        # FP8 V is stored (D, L)
         k_exp[:b, :, p], v_exp[:b, :, p] = ke, ve
     return q.to(qkv.dtype)
 
 
-def _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp=None, v_exp=None,
-                     v_tile=V_TILE):
+def _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp=None, v_exp=None):
     b, nh, d = q.shape
     nkv = k_cache.shape[1]
     end = int(pos.reshape(-1)[0]) + 1
@@ -109,7 +107,7 @@ def _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp=None, v_ex
         k, v = k_cache[:b, :, :end].float(), v_cache[:b, :, :end].float()
     else:
         k = dequantize_kv(k_cache[:b, :, :end], k_exp[:b, :, :end])
-        v = dequantize_kv(unpack_v(v_cache[:b], end, v_tile)[:, :, :end], v_exp[:b, :, :end])
+        v = dequantize_kv(v_cache[:b, :, :, :end].transpose(-1, -2), v_exp[:b, :, :end])
     qg = q.float().view(b, nkv, nh // nkv, d)
     scores = torch.einsum("bhgd,bhld->bhgl", qg, k) * sm_scale
     slots = torch.arange(end, device=q.device)
@@ -137,7 +135,7 @@ def _grouped_torch(x, w, scale, offs):
 if triton is not None:
     from rl.quant.fast_quant import INTERPRETED as _INTERPRETED
     from rl.quant.fast_quant import quant_blocks, store_act_blocks, to_e4m3 as _to_e4m3
-    from rl.rollout.native.kvcache import close_v_tile, store_kv
+    from rl.rollout.native.kvcache import store_kv
 
     @triton.jit
     def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, s_ptr, M, H, M_PAD, eps,
@@ -177,7 +175,7 @@ if triton is not None:
                               q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, eps, stride_qkv, stride_cb,
                               stride_ch, stride_vd, stride_eb, stride_eh, NH: tl.constexpr,
                               NKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                              FP8_KV: tl.constexpr, V_TILE: tl.constexpr):
+                              FP8_KV: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)  # b x cache stride can pass 2^31 for big caches
         h = tl.program_id(1)
         d = tl.arange(0, HALF)
@@ -198,15 +196,10 @@ if triton is not None:
             y1, y2 = _head_norm_rope(x1, x2, kn_ptr, c, s, eps, D, HALF)
             store_kv(kc_ptr + b * stride_cb + (h - NH) * stride_ch + pos * D,
                      ke_ptr + b * stride_eb + (h - NH) * stride_eh + pos, y1, y2, HALF, FP8_KV)
-        elif FP8_KV:  # V^T's open tile: the token's D bytes row-major (kvcache docstring)
-            lo = (pos // V_TILE) * V_TILE
-            first = (pos - lo) * D                     # its first byte, in the tile's row order
-            tile = vc_ptr + b * stride_cb + (h - NH - NKV) * stride_ch + lo
-            store_kv(tile + (first // V_TILE) * stride_vd + first % V_TILE,
+        elif FP8_KV:  # V^T: the token is column `pos` of a (D, L) tile
+            store_kv(vc_ptr + b * stride_cb + (h - NH - NKV) * stride_ch + pos,
                      ve_ptr + b * stride_eb + (h - NH - NKV) * stride_eh + pos, x1, x2, HALF,
-                     FP8_KV, stride_vd, V_TILE)
-            if pos - lo == V_TILE - 1:                 # the tile's last slot: close it
-                close_v_tile(tile, stride_vd, D, V_TILE)
+                     FP8_KV, stride_vd)
         else:
             store_kv(vc_ptr + b * stride_cb + (h - NH - NKV) * stride_ch + pos * D,
                      ve_ptr, x1, x2, HALF, FP8_KV)
@@ -245,58 +238,33 @@ if triton is not None:
                                                                           bitcast=True)
 
     @triton.jit
-    def _fp8_tile(k, vt, k_sc, v_sc, valid, qt, q_sc, m, l_sum, acc, sm_scale, QK8: tl.constexpr,
-                  PV8: tl.constexpr, EXACT: tl.constexpr):
-        """One tile of `_attn_blocks_fp8`'s online softmax: K (T, D) and V^T (D, T) e4m3, their
-        slots' scales and validity; returns the updated (m, l, acc^T)."""
-        if QK8:
-            st = tl.dot(k, qt) * q_sc[None, :]
-        else:
-            st = tl.dot(k.to(tl.float16), qt)
-        st = tl.where(valid[:, None], st * (k_sc * sm_scale)[:, None], float("-inf"))
-        m_new = tl.maximum(m, tl.max(st, axis=0))
-        p = tl.exp(st - m_new[None, :])                            # (T, GP)
-        alpha = tl.exp(m - m_new)
-        l_sum = l_sum * alpha + tl.sum(p, axis=0)
-        pv = p * v_sc[:, None]
-        if PV8:
-            c = tl.maximum(tl.max(pv, axis=0), 1e-30) * (1.0 / 256.0)
-            part = tl.dot(vt, _to_e4m3(pv / c[None, :], EXACT)) * c[None, :]
-        else:
-            part = tl.dot(vt.to(tl.float16), pv.to(tl.float16))
-        return m_new, l_sum, acc * alpha[None, :] + part
-
-    @triton.jit
     def _attn_blocks_fp8(qt, q_sc, kc_ptr, vc_ptr, ke_ptr, ve_ptr, base, e_base, stride_vd,
                          start, end, lo, hi, sm_scale, GP: tl.constexpr, D: tl.constexpr,
-                         BLOCK_L: tl.constexpr, V_TILE: tl.constexpr, QK8: tl.constexpr,
-                         PV8: tl.constexpr, EXACT: tl.constexpr):
+                         BLOCK_L: tl.constexpr, QK8: tl.constexpr, PV8: tl.constexpr,
+                         EXACT: tl.constexpr):
         """`_attn_blocks` over an FP8 cache, transposed: the tile's slots are the MMA's M side
         (128 of them fill Hopper's 64-row FP8 MMA, where the 2 query heads of a KV head would
         fill 2 of 16 rows), so s^T = K q^T and acc^T += V^T p^T. K (L, D) and V^T (D, L) are
         both K-contiguous for these products: their bytes go from HBM to the tensor cores with
-        no conversion or byte-wise transposition. V's open tile (the V_TILE slots from
-        (end // V_TILE) * V_TILE, its tokens row-major: `rl.rollout.native.kvcache`) comes
-        last, as one tile transposed on chip.
+        no conversion or byte-wise transposition.
 
         qt: q^T (D, GP), e4m3 with one scale per query head (QK8, scales q_sc) or fp16.
         PV8: the softmax weights times V's token scales in e4m3, per query head scaled so the
         largest is 256 (e4m3 keeps 3 mantissa bits down to 2**-14 of it); else fp16 and V
         converted. Tiles are loaded unmasked (the cache is zeroed at allocation and its writer
-        stores finite bytes only, the cache length is a multiple of V_TILE, a multiple of
-        BLOCK_L): masked slots get score -inf and weight 0. Returns (m, l, acc^T (D, GP))."""
+        stores finite bytes only, the cache length is a multiple of BLOCK_L): masked slots get
+        score -inf and weight 0. Returns (m, l, acc^T (D, GP))."""
         d = tl.arange(0, D)
         m = tl.full((GP,), float("-inf"), tl.float32)
         l_sum = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((D, GP), tl.float32)
-        open_lo = (end // V_TILE) * V_TILE
         # The scale bytes (one per slot: too small for Triton's async copies) are loaded one
         # tile ahead, so their latency hides behind a tile's products.
         slots = lo + tl.arange(0, BLOCK_L)
         valid = (slots >= start) & (slots < end)
         k_sc = _kv_scales(ke_ptr + e_base + slots, valid)
         v_sc = _kv_scales(ve_ptr + e_base + slots, valid)
-        for l0 in range(lo, tl.minimum(hi, open_lo), BLOCK_L):    # the closed tiles
+        for l0 in range(lo, hi, BLOCK_L):
             slots = l0 + tl.arange(0, BLOCK_L)
             valid = (slots >= start) & (slots < end)
             ahead = slots + BLOCK_L
@@ -307,20 +275,24 @@ if triton is not None:
                                                                                bitcast=True)
             vt = tl.load(vc_ptr + base + d[:, None] * stride_vd + slots[None, :]).to(
                 tl.float8e4nv, bitcast=True)
-            m, l_sum, acc = _fp8_tile(k, vt, k_sc, v_sc, valid, qt, q_sc, m, l_sum, acc,
-                                      sm_scale, QK8, PV8, EXACT)
+            if QK8:
+                st = tl.dot(k, qt) * q_sc[None, :]
+            else:
+                st = tl.dot(k.to(tl.float16), qt)
+            st = tl.where(valid[:, None], st * (k_sc * sm_scale)[:, None], float("-inf"))
+            m_new = tl.maximum(m, tl.max(st, axis=0))
+            p = tl.exp(st - m_new[None, :])                        # (BLOCK_L, GP)
+            alpha = tl.exp(m - m_new)
+            l_sum = l_sum * alpha + tl.sum(p, axis=0)
+            pv = p * v_sc[:, None]
+            if PV8:
+                c = tl.maximum(tl.max(pv, axis=0), 1e-30) * (1.0 / 256.0)
+                part = tl.dot(vt, _to_e4m3(pv / c[None, :], EXACT)) * c[None, :]
+            else:
+                part = tl.dot(vt.to(tl.float16), pv.to(tl.float16))
+            acc = acc * alpha[None, :] + part
+            m = m_new
             k_sc, v_sc = k_sc_ahead, v_sc_ahead
-        if hi > tl.maximum(lo, open_lo):              # the open tile (an empty split skips it)
-            slots = open_lo + tl.arange(0, V_TILE)
-            valid = (slots >= tl.maximum(start, lo)) & (slots < hi)
-            k = tl.load(kc_ptr + base + slots[:, None] * D + d[None, :]).to(tl.float8e4nv,
-                                                                               bitcast=True)
-            f = tl.arange(0, V_TILE)[:, None] * D + d[None, :]    # token s, byte d: row order
-            rows = tl.load(vc_ptr + base + open_lo + (f // V_TILE) * stride_vd + f % V_TILE)
-            m, l_sum, acc = _fp8_tile(k, tl.trans(rows).to(tl.float8e4nv, bitcast=True),
-                                      _kv_scales(ke_ptr + e_base + slots, valid),
-                                      _kv_scales(ve_ptr + e_base + slots, valid), valid, qt,
-                                      q_sc, m, l_sum, acc, sm_scale, QK8, PV8, EXACT)
         return m, l_sum, acc
 
     @triton.jit
@@ -391,8 +363,8 @@ if triton is not None:
                                 start_ptr, pos_ptr, sm_scale, stride_cb, stride_ch, stride_vd,
                                 stride_eb, stride_eh, S: tl.constexpr, G: tl.constexpr,
                                 GP: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
-                                BLOCK_L: tl.constexpr, V_TILE: tl.constexpr, QK8: tl.constexpr,
-                                PV8: tl.constexpr, EXACT: tl.constexpr):
+                                BLOCK_L: tl.constexpr, QK8: tl.constexpr, PV8: tl.constexpr,
+                                EXACT: tl.constexpr):
         """FP8 cache, one (row, kv head) (S = 1: out into o_ptr) or its split `sid` of S
         (partials m, l into m_ptr, l_ptr and acc into o_ptr, fp32, as the split kernel)."""
         b = tl.program_id(0).to(tl.int64)
@@ -416,8 +388,7 @@ if triton is not None:
         m, l_sum, acc = _attn_blocks_fp8(qt, q_sc, kc_ptr, vc_ptr, ke_ptr, ve_ptr,
                                          b * stride_cb + hk * stride_ch,
                                          b * stride_eb + hk * stride_eh, stride_vd, start, end,
-                                         lo, hi, sm_scale, GP, D, BLOCK_L, V_TILE, QK8, PV8,
-                                         EXACT)
+                                         lo, hi, sm_scale, GP, D, BLOCK_L, QK8, PV8, EXACT)
         if S == 1:
             out = acc / l_sum[None, :]
             tl.store(o_ptr + rows[None, :] * D + d[:, None], out.to(o_ptr.dtype.element_ty),
@@ -644,18 +615,14 @@ def qk_norm_rope_cache(qkv: torch.Tensor, qn_w: torch.Tensor, kn_w: torch.Tensor
                        cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor,
                        pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        nh: int, nkv: int, eps: float, impl: str = "torch",
-                       k_exp: torch.Tensor | None = None, v_exp: torch.Tensor | None = None,
-                       v_tile: int = V_TILE) -> torch.Tensor:
+                       k_exp: torch.Tensor | None = None, v_exp: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """q (B, NH, D); writes k, v of every row into slot `pos` of k_cache / v_cache (B', NKV, L, D).
     FP8 caches (e4m3) come with their scale exponents k_exp / v_exp (B', NKV, L) uint8, and
-    v_cache transposed, (B', NKV, D, L), but for its open tile of `v_tile` slots
-    (`rl.rollout.native.kvcache`): the token goes in row-major, and the write that fills a
-    tile transposes it."""
-    if k_exp is not None:
-        check_v_tile(v_cache.shape[-1], v_cache.shape[-2], v_tile)
+    v_cache transposed: (B', NKV, D, L)."""
     if impl == "torch":
         return _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, eps,
-                         k_exp, v_exp, v_tile)
+                         k_exp, v_exp)
     b = qkv.shape[0]
     d = qn_w.shape[0]
     q = torch.empty(b, nh, d, dtype=qkv.dtype, device=qkv.device)
@@ -665,7 +632,7 @@ def qk_norm_rope_cache(qkv: torch.Tensor, qn_w: torch.Tensor, kn_w: torch.Tensor
     _qk_rope_cache_kernel[(b, nh + 2 * nkv)](
         qkv, qn_w, kn_w, cos, sin, start, pos, q, kc, vc, ke, ve, eps, qkv.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(2), ke.stride(0), ke.stride(1),
-        NH=nh, NKV=nkv, D=d, HALF=d // 2, FP8_KV=fp8, V_TILE=v_tile)
+        NH=nh, NKV=nkv, D=d, HALF=d // 2, FP8_KV=fp8)
     return q
 
 
@@ -710,11 +677,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      impl: str = "torch", block_l: int = 64, k_exp: torch.Tensor | None = None,
                      v_exp: torch.Tensor | None = None, splits: int | None = 1,
                      fp8_mma: tuple[bool, bool] | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, quant_out: bool = False,
-                     v_tile: int = V_TILE) -> torch.Tensor | QuantAct:
+                     num_stages: int | None = None, quant_out: bool = False
+                     ) -> torch.Tensor | QuantAct:
     """(B, NH, D) attention output of one query per row over slots [start[b], pos]; FP8 caches
-    with their scale exponents and V transposed, its open tile of `v_tile` slots row-major (see
-    `qk_norm_rope_cache`).
+    with their scale exponents and V transposed (see `qk_norm_rope_cache`).
 
     `splits` (triton): 1 = one program per (row, kv head) walks the whole context; S > 1 =
     split-K ("flash-decoding"): S programs per (row, kv head) each over a contiguous share of
@@ -722,13 +688,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cache length. The torch reference ignores it.
     FP8 caches (triton): `fp8_mma` = (QK, PV) products in e4m3 (`_attn_blocks_fp8`; PV only
     with block_l >= 32), None = both where `fp8_mma_supported`; the cache length must be a
-    multiple of `v_tile` (KVCache pads it), and `v_tile` of `block_l`. `num_warps` / `num_stages`: Triton's launch
+    multiple of `block_l` (KVCache pads it). `num_warps` / `num_stages`: Triton's launch
     options (None: its defaults); `bench.decode_attention` sweeps them.
     `quant_out`: the output as the o projection's W8A8 input, (B, NH * D) in 1x128 blocks
     (`QuantAct`), quantised in the BF16-cache single-pass kernel's epilogue when D is 128, else
     by the one-pass quantiser after."""
     if impl == "torch":
-        out = _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp, v_exp, v_tile)
+        out = _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp, v_exp)
         return quantize_act_fast(out.reshape(out.shape[0], -1), 4, "torch") if quant_out else out
     b, nh, d = q.shape
     nkv = k_cache.shape[1]
@@ -756,19 +722,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         acc = torch.empty(b, nh, splits, d, dtype=torch.float32, device=q.device)
     if k_exp is not None:
         length = k_cache.shape[2]
-        if length % v_tile or v_tile % block_l or v_cache.shape[2:] != (d, length):
+        if length % block_l or v_cache.shape[2:] != (d, length):
             raise ValueError(f"decode_attention: an FP8 cache needs V as (rows, kv heads, {d}, "
-                             f"L), L a multiple of v_tile {v_tile} and v_tile of block_l "
-                             f"{block_l}; got K {tuple(k_cache.shape)}, V "
-                             f"{tuple(v_cache.shape)}")
-        check_v_tile(length, d, v_tile)
+                             f"L) and L a multiple of block_l {block_l}; got K "
+                             f"{tuple(k_cache.shape)}, V {tuple(v_cache.shape)}")
         qk8, pv8 = fp8_mma if fp8_mma is not None else (fp8_mma_supported(q.device),) * 2
         pv8 = pv8 and block_l >= 32             # an e4m3 MMA reduces over 32 at a time
         _decode_attn_fp8_kernel[(b, nkv, splits)](
             q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_exp, v_exp,
             out if splits == 1 else acc, m, l_sum, start, pos, sm_scale, k_cache.stride(0),
             k_cache.stride(1), v_cache.stride(2), k_exp.stride(0), k_exp.stride(1), S=splits,
-            V_TILE=v_tile, QK8=qk8, PV8=pv8, EXACT=_INTERPRETED, **consts)
+            QK8=qk8, PV8=pv8, EXACT=_INTERPRETED, **consts)
     elif splits == 1:
         _decode_attn_kernel[(b, nkv)](q, k_cache, v_cache, out, sc, start, pos, sm_scale,
                                       k_cache.stride(0), k_cache.stride(1), m_pad, QUANT=fused,

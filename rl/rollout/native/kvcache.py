@@ -7,15 +7,6 @@ straight into e4m3 tensor-core products (`kernels._attn_blocks_fp8`), unmasked, 
 lies inside the cache and every byte is a finite e4m3 (the cache starts zeroed; both writers
 store NaN as 0).
 
-The open tile. V^T's tile of `V_TILE` slots that is still being written (the one holding slot
-`end`, `end` = slots written so far) holds its tokens row-major instead: token s of the tile is
-bytes [s D, (s + 1) D) of the tile's (D, V_TILE) block read in row order, one token's D bytes
-contiguous. Writing a token into V^T proper would scatter its D bytes a row length apart, one
-per 32-byte sector (measured: the FP8 cache write cost 2.6x the BF16 one, 505 vs 191 us per
-decode step on an H200); row-major it lands in whole sectors. The writer that fills a tile's
-last slot transposes the tile in place, closing it. `pack_v` / `unpack_v` convert to and from
-this layout; the decode attention transposes the open tile on chip.
-
 FP8: e4m3 values plus one scale per (layer, row, kv head, slot), i.e. per token and kv head,
 stored as one byte: the biased exponent of a power-of-two scale (e8m0, scale = 2**(e - 127)).
 Per token, because tokens arrive one at a time and a scale must be fixed when its token is
@@ -33,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from rl.plan.kv import (KV_FP8_SCALE_BYTES, KV_FP8_SLOT_ALIGN, gqa_bytes_per_token,
-                        native_fp8_slots)
+from rl.plan.kv import KV_FP8_SCALE_BYTES, gqa_bytes_per_token, native_fp8_slots
 
 try:  # Triton is optional: the CPU engine never needs it
     import triton
@@ -44,58 +34,6 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 FP8_MAX = 448.0
 _BIAS = 127
-V_TILE = KV_FP8_SLOT_ALIGN     # slots of V^T's open tile (module docstring)
-
-
-def _open_tile(end: int, length: int, tile: int) -> int | None:
-    """First slot of the open tile after `end` slots were written, or None (the cache is full)."""
-    lo = end // tile * tile
-    return lo if lo < length else None
-
-
-def check_v_tile(length: int, head_dim: int, tile: int) -> None:
-    """The open tile's row-major tokens tile its (D, tile) block: whole tiles, and D a divisor or
-    a multiple of the tile (powers of two, as the kernels' head dims)."""
-    if length % tile or (head_dim % tile and tile % head_dim):
-        raise ValueError(f"FP8 V cache: {length} slots and head_dim {head_dim} do not fit V tiles "
-                         f"of {tile} slots (need slots % tile == 0 and head_dim | tile or "
-                         f"tile | head_dim)")
-
-
-def pack_v(v8: torch.Tensor, end: int, tile: int = V_TILE) -> torch.Tensor:
-    """V (..., L, D) -> the FP8 cache's V layout (..., D, L) after `end` slots were written:
-    whole tiles below the open one transposed, the open tile's tokens row-major (module
-    docstring). Slots past `end` are carried along (stale bytes the attention masks)."""
-    *lead, length, d = v8.shape
-    check_v_tile(length, d, tile)
-    out = v8.transpose(-1, -2).contiguous()
-    lo = _open_tile(end, length, tile)
-    if lo is not None:
-        out[..., lo:lo + tile] = v8[..., lo:lo + tile, :].reshape(*lead, d, tile)
-    return out
-
-
-def unpack_v(vt: torch.Tensor, end: int, tile: int = V_TILE) -> torch.Tensor:
-    """The inverse of `pack_v`: the FP8 cache's V (..., D, L) -> (..., L, D)."""
-    *lead, d, length = vt.shape
-    check_v_tile(length, d, tile)
-    out = vt.transpose(-1, -2).contiguous()
-    lo = _open_tile(end, length, tile)
-    if lo is not None:
-        out[..., lo:lo + tile, :] = vt[..., lo:lo + tile].reshape(*lead, tile, d)
-    return out
-
-
-def put_v(vt: torch.Tensor, slot: int, v8: torch.Tensor, tile: int = V_TILE) -> None:
-    """Write one token's V (..., D) at `slot` of the FP8 V layout (..., D, L) in place, as the
-    Triton cache writer does: into the open tile row-major, then, when it fills the tile's last
-    slot, the tile transposed (closed)."""
-    *lead, d, length = vt.shape
-    lo = slot // tile * tile
-    block = vt[..., lo:lo + tile]
-    rows = block.reshape(*lead, tile, d).clone()   # the open tile's tokens (a view if D == tile)
-    rows[..., slot - lo, :] = v8
-    block.copy_(rows.transpose(-1, -2) if slot - lo == tile - 1 else rows.reshape(*lead, d, tile))
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +59,8 @@ def dequantize_kv(x8: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
 
 class KVCache:
     """K and V for `rows` sequences of `max_len` slots (FP8: `slots(max_len, True)`), allocated
-    once (CUDA graphs keep pointers into it). FP8: V transposed (but its open tile, see the
-    module docstring), and `k_exp` / `v_exp` (layers, rows, NKV, L) uint8."""
+    once (CUDA graphs keep pointers into it). FP8: V transposed, and `k_exp` / `v_exp`
+    (layers, rows, NKV, L) uint8."""
 
     def __init__(self, layers: int, rows: int, nkv: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, fp8: bool):
@@ -130,8 +68,6 @@ class KVCache:
         dims = (layers, rows, nkv, length, head_dim)
         store = torch.float8_e4m3fn if fp8 else dtype
         self.fp8, self.rows = fp8, rows
-        if fp8:
-            check_v_tile(length, head_dim, V_TILE)
         self.k = torch.zeros(dims, dtype=store, device=device)
         self.v = torch.zeros((layers, rows, nkv, head_dim, length) if fp8 else dims,
                              dtype=store, device=device)
@@ -168,12 +104,7 @@ class KVCache:
             return
         (k8, ke), (v8, ve) = quantize_kv(k), quantize_kv(v)
         self.k[i, :b, :, :width], self.k_exp[i, :b, :, :width] = k8, ke
-        self.v_exp[i, :b, :, :width] = ve
-        # whole tiles of the prompt transposed, its last partial tile open (row-major)
-        span = min(-(-width // V_TILE) * V_TILE, self.v.shape[-1])
-        rows = torch.zeros(b, v8.shape[1], span, v8.shape[3], dtype=v8.dtype, device=v8.device)
-        rows[:, :, :width] = v8
-        self.v[i, :b, :, :, :span] = pack_v(rows, width)
+        self.v[i, :b, :, :, :width], self.v_exp[i, :b, :, :width] = v8.transpose(-1, -2), ve
 
 
 # The Triton side of `quantize_kv`, called by the cache-writing kernel in `kernels`.
@@ -181,19 +112,12 @@ if triton is not None:
     from rl.quant.fast_quant import e4m3_round
 
     @triton.jit
-    def store_kv(dst, exp_dst, y1, y2, HALF: tl.constexpr, FP8_KV: tl.constexpr, row_stride=None,
-                 ROW: tl.constexpr = None):
+    def store_kv(dst, exp_dst, y1, y2, HALF: tl.constexpr, FP8_KV: tl.constexpr, step=None):
         """Write one head's halves (fp32): in dst's dtype, or as e4m3 bytes + scale exponent;
-        element i at dst + i, or (row_stride, ROW given: V's open tile) at
-        dst + (i // ROW) * row_stride + i % ROW, i.e. the token's bytes in row order of a
-        (D, ROW) tile whose rows lie row_stride apart (dst: the token's first byte).
+        element i at dst + i, or at dst + i * step (FP8 V^T: a column of a (D, L) tile).
         NaN is stored as 0: the decode attention loads whole tiles unmasked, and every byte of
         an FP8 cache must be a finite e4m3 (inf saturates to +-448)."""
         d = tl.arange(0, HALF)
-        i1, i2 = d, HALF + d
-        if row_stride is not None:
-            i1 = (i1 // ROW) * row_stride + i1 % ROW
-            i2 = (i2 // ROW) * row_stride + i2 % ROW
         if FP8_KV:
             y1 = tl.where(y1 == y1, y1, 0.0)
             y2 = tl.where(y2 == y2, y2, 0.0)
@@ -208,23 +132,14 @@ if triton is not None:
             inv = ((254 - exp) << 23).to(tl.float32, bitcast=True)
             q1 = e4m3_round(tl.minimum(tl.maximum(y1 * inv, -448.0), 448.0))
             q2 = e4m3_round(tl.minimum(tl.maximum(y2 * inv, -448.0), 448.0))
-            tl.store(dst + i1, q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
-            tl.store(dst + i2, q2.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+            if step is None:
+                tl.store(dst + d, q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+                tl.store(dst + HALF + d, q2.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+            else:
+                tl.store(dst + d * step, q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+                tl.store(dst + (HALF + d) * step, q2.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
             tl.store(exp_dst, exp.to(tl.uint8))
         else:
             ty = dst.dtype.element_ty
-            tl.store(dst + i1, y1.to(ty))
-            tl.store(dst + i2, y2.to(ty))
-
-    @triton.jit
-    def close_v_tile(tile, stride_vd, D: tl.constexpr, V_TILE: tl.constexpr):
-        """Transpose V's open tile in place (closing it): token s's D bytes, in row order of the
-        (D, V_TILE) tile at `tile` (rows stride_vd apart), become its column s. One program
-        owns the tile; the caller has just stored the tile's last token."""
-        s = tl.arange(0, V_TILE)
-        d = tl.arange(0, D)
-        f = s[:, None] * D + d[None, :]             # token s, byte d: position in row order
-        tl.debug_barrier()        # the program's own token stores are visible to all its threads
-        rows = tl.load(tile + (f // V_TILE) * stride_vd + f % V_TILE)          # (V_TILE, D)
-        tl.debug_barrier()        # every byte is read before any is overwritten
-        tl.store(tile + d[:, None] * stride_vd + s[None, :], tl.trans(rows))
+            tl.store(dst + d, y1.to(ty))
+            tl.store(dst + HALF + d, y2.to(ty))

@@ -25,15 +25,14 @@ def close(name: str, a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
         raise Mismatch(f"{name}: relative error {err} >= {tol}")
 
 
-def fp8_cache(x: torch.Tensor, length: int, v: bool = False, end: int = 0, tile: int = 0):
-    """(rows, NKV, L, D) -> the FP8 cache layout: e4m3 zero-padded to `length` slots and scale
-    exponents (rows, NKV, length); V as the engine holds it after `end` slots were written
-    (`kvcache.pack_v`: (rows, NKV, D, L), transposed but for the open tile of `tile` slots)."""
-    from rl.rollout.native.kvcache import pack_v, quantize_kv
+def fp8_cache(x: torch.Tensor, length: int, v: bool = False):
+    """(rows, NKV, L, D) -> the FP8 cache layout: e4m3 zero-padded to `length` slots (V
+    transposed to (rows, NKV, D, L)) and scale exponents (rows, NKV, length)."""
+    from rl.rollout.native.kvcache import quantize_kv
     pad = torch.zeros(*x.shape[:2], length - x.shape[2], x.shape[3], dtype=x.dtype,
                       device=x.device)
     x8, e = quantize_kv(torch.cat([x, pad], 2))
-    return (pack_v(x8, end, tile) if v else x8), e
+    return (x8.transpose(-1, -2).contiguous() if v else x8), e
 
 
 # (QK, PV) products of the FP8 decode attention: e4m3 both (Hopper), fp16 both (elsewhere),
@@ -57,18 +56,16 @@ def split_attention_cases(K, r, close, DT, device, tl_scale) -> None:
     kc, vc = r(b, nkv, length, d).to(DT), r(b, nkv, length, d).to(DT)
     start = torch.tensor([0, 3, 16, 50], dtype=torch.int32, device=device)
     pos = torch.tensor([100], dtype=torch.int32, device=device)     # 101 slots: 6 blocks + 5
-    # FP8: V's open tile of 16 slots is [96, 112) (slots 96-100 written), head_dim 32 > 16:
-    # a token spans two rows of it.
-    (k8, ke), (v8, ve) = fp8_cache(kc, length), fp8_cache(vc, length, True, 101, 16)
+    (k8, ke), (v8, ve) = fp8_cache(kc, length), fp8_cache(vc, length, v=True)
     for fp8, mma, caches in ((False, None, (kc, vc, None, None)),
                              *((True, mma, (k8, v8, ke, ve)) for mma in FP8_MMA[:2])):
         ref = K.decode_attention(q, caches[0], caches[1], start, pos, d ** -0.5, "torch",
-                                 k_exp=caches[2], v_exp=caches[3], v_tile=16)
+                                 k_exp=caches[2], v_exp=caches[3])
         one = K.decode_attention(q, caches[0], caches[1], start, pos, d ** -0.5, "triton", 16,
-                                 caches[2], caches[3], splits=1, fp8_mma=mma, v_tile=16)
+                                 caches[2], caches[3], splits=1, fp8_mma=mma)
         for splits in (2, 5, None):
             a = K.decode_attention(q, caches[0], caches[1], start, pos, d ** -0.5, "triton", 16,
-                                   caches[2], caches[3], splits=splits, fp8_mma=mma, v_tile=16)
+                                   caches[2], caches[3], splits=splits, fp8_mma=mma)
             name = f"long split {splits}{f' fp8 kv mma {mma}' if fp8 else ''}"
             close(name, a, ref, fp8_mma_tol(mma, 5e-3 * tl_scale))
             close(name + " vs single", a, one, 5e-3 * tl_scale)
@@ -164,24 +161,23 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
         assert torch.isfinite(a[1]).all(), f"NaN leaked from a slot before start ({splits=})"
     split_attention_cases(K, r, close, DT, device, tl_scale)
 
-    # FP8 KV cache (64 slots: a multiple of both tiles below; V stored transposed, its one open
-    # tile of 64 slots row-major, two tokens of head_dim 32 per row): earlier slots quantised
-    # from the caches above, then slot pos + 1 written by each implementation (e4m3 bytes +
-    # scale exponents) and attended over.
-    from rl.rollout.native.kvcache import dequantize_kv, pack_v, unpack_v
+    # FP8 KV cache (64 slots: a multiple of both tiles below; V stored transposed): earlier
+    # slots quantised from the caches above, then slot pos + 1 written by each implementation
+    # (e4m3 bytes + scale exponents) and attended over.
+    from rl.rollout.native.kvcache import dequantize_kv
     caches[1][1, :, 2] = 0.0
     pos8 = pos + 1
-    f8 = [list(fp8_cache(c, 64, i == 1, int(pos8), 64)) for i, c in enumerate(caches)]
+    f8 = [list(fp8_cache(c, 64, v=i == 1)) for i, c in enumerate(caches)]
     f8_ref = [[x.clone() for x in pair] for pair in f8]
     args = (qkv, qn, kn, cos, sin, start, pos8)
     q8 = K.qk_norm_rope_cache(*args, f8[0][0], f8[1][0], nh, nkv, 1e-6, "triton", f8[0][1],
-                              f8[1][1], v_tile=64)
+                              f8[1][1])
     K.qk_norm_rope_cache(*args, f8_ref[0][0], f8_ref[1][0], nh, nkv, 1e-6, "torch",
-                         f8_ref[0][1], f8_ref[1][1], v_tile=64)
+                         f8_ref[0][1], f8_ref[1][1])
     for name, (x8, e), (x8_ref, e_ref) in zip("kv", f8, f8_ref):
         slot = (slice(None, b), slice(None), int(pos8))
         if name == "v":
-            x8, x8_ref = unpack_v(x8, int(pos8) + 1, 64), unpack_v(x8_ref, int(pos8) + 1, 64)
+            x8, x8_ref = x8.transpose(-1, -2), x8_ref.transpose(-1, -2)
         assert (e[slot] == e_ref[slot]).all(), f"fp8 {name} scale exponents differ"
         close(f"fp8 {name} cache write", dequantize_kv(x8[slot], e[slot]),
               dequantize_kv(x8_ref[slot], e_ref[slot]), 2e-3 * tl_scale)
@@ -190,13 +186,12 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
     for x8, _ in f8_ref:
         x8.view(torch.uint8)[1, ..., 2] = 0x7E
     a0 = K.decode_attention(q8, f8_ref[0][0], f8_ref[1][0], start, pos8, d ** -0.5, "torch",
-                            k_exp=f8_ref[0][1], v_exp=f8_ref[1][1], v_tile=64)
+                            k_exp=f8_ref[0][1], v_exp=f8_ref[1][1])
     for block_l, splits, mma in ((16, 1, FP8_MMA[0]), (64, 1, FP8_MMA[0]), (16, 2, FP8_MMA[0]),
                                  (16, 4, FP8_MMA[0]), (16, 1, FP8_MMA[1]), (64, 2, FP8_MMA[1]),
                                  (64, 1, FP8_MMA[2])):
         a = K.decode_attention(q8, f8_ref[0][0], f8_ref[1][0], start, pos8, d ** -0.5, "triton",
-                               block_l, f8_ref[0][1], f8_ref[1][1], splits=splits, fp8_mma=mma,
-                               v_tile=64)
+                               block_l, f8_ref[0][1], f8_ref[1][1], splits=splits, fp8_mma=mma)
         name = "fp8 kv decode attention" if splits == 1 else f"fp8 kv split {splits}"
         close(f"{name} block_l={block_l} fp8_mma={mma}", a, a0,
               fp8_mma_tol(mma, 5e-3 * tl_scale))
@@ -206,53 +201,9 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
     bad[2, nh * d:] = float("nan")
     for impl, (kx, vx) in (("triton", f8), ("torch", f8_ref)):
         K.qk_norm_rope_cache(bad, qn, kn, cos, sin, start, pos8 + 1, kx[0], vx[0], nh, nkv,
-                             1e-6, impl, kx[1], vx[1], v_tile=64)
-        written = (kx[0][2, :, int(pos8) + 1],
-                   unpack_v(vx[0], int(pos8) + 2, 64)[2, :, int(pos8) + 1])
+                             1e-6, impl, kx[1], vx[1])
+        written = (kx[0][2, :, int(pos8) + 1], vx[0][2, :, :, int(pos8) + 1])
         assert all(torch.isfinite(w.float()).all() for w in written), f"{impl} wrote NaN"
-
-    # V's open tile: the write that fills its last slot transposes it in place (closes it),
-    # Triton as the torch writer: tiles of 16 (head_dim 32 spans two rows) and 64 (two tokens
-    # a row) closing, and a write mid-tile. Every earlier token stays where it was; the
-    # attention then reads the tile as V^T.
-    for tile, length8, slot in ((16, 64, 47), (64, 128, 63), (64, 128, 40)):
-        vfull = r(b + 1, nkv, length8, d).to(DT)
-        k8c, kec = fp8_cache(r(b + 1, nkv, length8, d).to(DT), length8)
-        v8c, vec = fp8_cache(vfull, length8, True, slot, tile)
-        before = unpack_v(v8c, slot, tile).view(torch.uint8)
-        pos_t = torch.tensor([slot], dtype=torch.int32, device=device)
-        fr = torch.arange(length8)[:, None] * (1e4 ** (-torch.arange(0, d, 2) / d))[None]
-        cs = fr.cos().float().to(device), fr.sin().float().to(device)
-        got = {}
-        for impl in ("triton", "torch"):
-            kc_, ke_, vc_, ve_ = k8c.clone(), kec.clone(), v8c.clone(), vec.clone()
-            qx = K.qk_norm_rope_cache(qkv, qn, kn, *cs, start, pos_t, kc_, vc_, nh, nkv, 1e-6,
-                                      impl, ke_, ve_, v_tile=tile)
-            got[impl] = (qx, kc_, ke_, vc_, ve_)
-            after = unpack_v(vc_, slot + 1, tile).view(torch.uint8)
-            # (slots past `slot` hold stale bytes, read per their tile's state; rows past b
-            # were not written, so their tile stays open)
-            assert torch.equal(after[:b, :, :slot], before[:b, :, :slot]), (impl, tile, slot)
-            assert torch.equal(vc_[b:].view(torch.uint8), v8c[b:].view(torch.uint8)), (
-                impl, tile, slot)                                           # rows past b
-            closed = (slot + 1) % tile == 0
-            lo = slot // tile * tile
-            as_vt = vc_[..., lo:lo + tile].transpose(-1, -2).view(torch.uint8)
-            assert torch.equal(as_vt[:b], after[:b, :, lo:lo + tile]) == closed, (
-                impl, tile, slot)
-        v_t, v_r = (unpack_v(got[i][3], slot + 1, tile) for i in ("triton", "torch"))
-        close(f"fp8 v open-tile write tile={tile} slot={slot}",
-              dequantize_kv(v_t[:b, :, slot], got["triton"][4][:b, :, slot]),
-              dequantize_kv(v_r[:b, :, slot], got["torch"][4][:b, :, slot]), 2e-3 * tl_scale)
-        qx, kc_, ke_, vc_, ve_ = got["triton"]
-        ref_a = K.decode_attention(qx, kc_, vc_, start, pos_t, d ** -0.5, "torch", k_exp=ke_,
-                                   v_exp=ve_, v_tile=tile)
-        mma = (True, True) if K.fp8_mma_supported(torch.device(device)) else None
-        for block_l in sorted({16, tile}):
-            close(f"fp8 kv attention after the write tile={tile} slot={slot} block_l={block_l}",
-                  K.decode_attention(qx, kc_, vc_, start, pos_t, d ** -0.5, "triton", block_l,
-                                     ke_, ve_, v_tile=tile), ref_a,
-                  fp8_mma_tol(mma, 5e-3 * tl_scale))
 
     gu = r(7, 2 * 80).to(DT)
     close("silu_mul", K.silu_mul(gu, "triton"), K.silu_mul(gu, "torch"), 2e-3 * tl_scale)
@@ -319,11 +270,10 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
     st_a, pos_a = torch.tensor([0, 9, 30], dtype=torch.int32, device=device), \
         torch.tensor([40], dtype=torch.int32, device=device)
     kv_a = [r(3, 2, 64, 128).to(DT) for _ in range(2)]
-    f8_a = [fp8_cache(c, 64, i == 1, 41, 64) for i, c in enumerate(kv_a)]
+    f8_a = [fp8_cache(c, 64, v=i == 1) for i, c in enumerate(kv_a)]
     for kv, cache_args, kw in (
             ("bf16", kv_a, {}),
-            ("fp8", [f8_a[0][0], f8_a[1][0]], dict(k_exp=f8_a[0][1], v_exp=f8_a[1][1],
-                                                   v_tile=64))):
+            ("fp8", [f8_a[0][0], f8_a[1][0]], dict(k_exp=f8_a[0][1], v_exp=f8_a[1][1]))):
         for splits in (1, 2):
             call = lambda quant: K.decode_attention(  # noqa: E731
                 qa, *cache_args, st_a, pos_a, 128 ** -0.5, "triton", 16 if kv == "fp8" else 64,
