@@ -10,8 +10,7 @@ Ops (shapes: B rows, NH query heads, NKV kv heads, D head dim, L cache length):
   (rounded to x's dtype, as HF adds in the model dtype), returns `(norm(h) * w, h)`.
 - `qk_norm_rope_cache(qkv (B, (NH+2NKV)*D), ...)`: per-head RMSNorm of q and k, rotary embedding
   at position `pos - start[b]`, q out as (B, NH, D); k and v written into the caches at slot `pos`
-  (FP8 caches: quantised on write, see `rl.rollout.native.kvcache`). `quant_q`: q out in e4m3
-  with one scale per head (`QuantHeads`), the FP8-cache attention's e4m3 QK input.
+  (FP8 caches: quantised on write, see `rl.rollout.native.kvcache`).
 - `decode_attention(q (B, NH, D), k_cache, v_cache (B, NKV, L, D), start (B,), pos (1,))`: one
   query per row over cache slots [start[b], pos]; online softmax in fp32. FP8 caches are read
   as bytes, V transposed (B, NKV, D, L); their per-token scales multiply the scores and softmax
@@ -37,7 +36,6 @@ fp16 activations: it mishandles bf16 dots (numpy has no bf16). On GPU they run i
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 
@@ -55,17 +53,6 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 def triton_available() -> bool:
     return triton is not None
-
-
-class QuantHeads(NamedTuple):
-    """Query heads in e4m3 with one scale per (row, head): `q` (B, NH, D) float8_e4m3fn,
-    `scale` (B, NH) fp32 = amax / 448 of the head rounded to `dtype`, the model dtype the
-    attention writes its output in. What the FP8-cache attention's e4m3 QK product quantises q
-    to in its own prologue; the cache-writing kernel emits it instead, from registers, so the
-    attention's programs start loading K and V without a reduction over q first."""
-    q: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
 
 
 def _next_pow2(n: int) -> int:
@@ -87,14 +74,6 @@ def _rope_torch(x, cos, sin):
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def _quant_heads(q: torch.Tensor) -> QuantHeads:
-    """q (B, NH, D) in the model dtype -> `QuantHeads`: the formula of the Triton kernels."""
-    q32 = q.float()
-    scale = q32.abs().amax(-1).clamp(min=1e-30) * (1.0 / 448.0)
-    q8 = (q32 / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return QuantHeads(q8, scale, q.dtype)
 
 
 def _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, eps,
@@ -193,13 +172,10 @@ if triton is not None:
 
     @triton.jit
     def _qk_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, start_ptr, pos_ptr,
-                              q_ptr, qs_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, eps, stride_qkv,
-                              stride_cb, stride_ch, stride_vd, stride_eb, stride_eh,
-                              NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-                              HALF: tl.constexpr, FP8_KV: tl.constexpr, Q8: tl.constexpr,
-                              EXACT: tl.constexpr):
-        """One (row, head) program. Q8: q out as e4m3 bytes (q_ptr, uint8) with its scale at
-        qs_ptr (`QuantHeads`), from the head rounded to the model dtype (qkv's) first."""
+                              q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, eps, stride_qkv, stride_cb,
+                              stride_ch, stride_vd, stride_eb, stride_eh, NH: tl.constexpr,
+                              NKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                              FP8_KV: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)  # b x cache stride can pass 2^31 for big caches
         h = tl.program_id(1)
         d = tl.arange(0, HALF)
@@ -214,17 +190,8 @@ if triton is not None:
         if h < NH:
             y1, y2 = _head_norm_rope(x1, x2, qn_ptr, c, s, eps, D, HALF)
             dst = q_ptr + (b * NH + h) * D
-            if Q8:   # as the FP8-cache attention's prologue quantises the stored q
-                y1 = y1.to(qkv_ptr.dtype.element_ty).to(tl.float32)
-                y2 = y2.to(qkv_ptr.dtype.element_ty).to(tl.float32)
-                sc = tl.maximum(tl.maximum(tl.max(tl.abs(y1), axis=0),
-                                           tl.max(tl.abs(y2), axis=0)), 1e-30) * (1.0 / 448.0)
-                tl.store(dst + d, _to_e4m3(y1 / sc, EXACT).to(tl.uint8, bitcast=True))
-                tl.store(dst + HALF + d, _to_e4m3(y2 / sc, EXACT).to(tl.uint8, bitcast=True))
-                tl.store(qs_ptr + b * NH + h, sc)
-            else:
-                tl.store(dst + d, y1.to(out_ty))
-                tl.store(dst + HALF + d, y2.to(out_ty))
+            tl.store(dst + d, y1.to(out_ty))
+            tl.store(dst + HALF + d, y2.to(out_ty))
         elif h < NH + NKV:
             y1, y2 = _head_norm_rope(x1, x2, kn_ptr, c, s, eps, D, HALF)
             store_kv(kc_ptr + b * stride_cb + (h - NH) * stride_ch + pos * D,
@@ -392,16 +359,14 @@ if triton is not None:
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
 
     @triton.jit
-    def _decode_attn_fp8_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, o_ptr, m_ptr,
-                                l_ptr, start_ptr, pos_ptr, sm_scale, stride_cb, stride_ch,
-                                stride_vd, stride_eb, stride_eh, S: tl.constexpr,
-                                G: tl.constexpr, GP: tl.constexpr, NH: tl.constexpr,
-                                D: tl.constexpr, BLOCK_L: tl.constexpr, QK8: tl.constexpr,
-                                PV8: tl.constexpr, QPRE: tl.constexpr, EXACT: tl.constexpr):
+    def _decode_attn_fp8_kernel(q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, o_ptr, m_ptr, l_ptr,
+                                start_ptr, pos_ptr, sm_scale, stride_cb, stride_ch, stride_vd,
+                                stride_eb, stride_eh, S: tl.constexpr, G: tl.constexpr,
+                                GP: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
+                                BLOCK_L: tl.constexpr, QK8: tl.constexpr, PV8: tl.constexpr,
+                                EXACT: tl.constexpr):
         """FP8 cache, one (row, kv head) (S = 1: out into o_ptr) or its split `sid` of S
-        (partials m, l into m_ptr, l_ptr and acc into o_ptr, fp32, as the split kernel).
-        QPRE (with QK8): q arrives quantised (`QuantHeads`: e4m3 bytes at q_ptr, scales at
-        qs_ptr), else the prologue quantises it."""
+        (partials m, l into m_ptr, l_ptr and acc into o_ptr, fp32, as the split kernel)."""
         b = tl.program_id(0).to(tl.int64)
         hk = tl.program_id(1)
         start = tl.load(start_ptr + b)
@@ -413,18 +378,13 @@ if triton is not None:
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         rows = b * NH + hk * G + g
-        if QPRE:
-            qt = tl.load(q_ptr + rows[None, :] * D + d[:, None], mask=g[None, :] < G,
-                         other=0).to(tl.float8e4nv, bitcast=True)         # q^T (D, GP)
-            q_sc = tl.load(qs_ptr + rows, mask=g < G, other=1.0)
+        qt = tl.load(q_ptr + rows[None, :] * D + d[:, None], mask=g[None, :] < G,
+                     other=0.0).to(tl.float32)                             # q^T (D, GP)
+        q_sc = tl.maximum(tl.max(tl.abs(qt), axis=0), 1e-30) * (1.0 / 448.0)
+        if QK8:
+            qt = _to_e4m3(qt / q_sc[None, :], EXACT)
         else:
-            qt = tl.load(q_ptr + rows[None, :] * D + d[:, None], mask=g[None, :] < G,
-                         other=0.0).to(tl.float32)                         # q^T (D, GP)
-            q_sc = tl.maximum(tl.max(tl.abs(qt), axis=0), 1e-30) * (1.0 / 448.0)
-            if QK8:
-                qt = _to_e4m3(qt / q_sc[None, :], EXACT)
-            else:
-                qt = qt.to(tl.float16)
+            qt = qt.to(tl.float16)
         m, l_sum, acc = _attn_blocks_fp8(qt, q_sc, kc_ptr, vc_ptr, ke_ptr, ve_ptr,
                                          b * stride_cb + hk * stride_ch,
                                          b * stride_eb + hk * stride_eh, stride_vd, start, end,
@@ -655,28 +615,25 @@ def qk_norm_rope_cache(qkv: torch.Tensor, qn_w: torch.Tensor, kn_w: torch.Tensor
                        cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor,
                        pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        nh: int, nkv: int, eps: float, impl: str = "torch",
-                       k_exp: torch.Tensor | None = None, v_exp: torch.Tensor | None = None,
-                       quant_q: bool = False) -> torch.Tensor | QuantHeads:
+                       k_exp: torch.Tensor | None = None, v_exp: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """q (B, NH, D); writes k, v of every row into slot `pos` of k_cache / v_cache (B', NKV, L, D).
     FP8 caches (e4m3) come with their scale exponents k_exp / v_exp (B', NKV, L) uint8, and
-    v_cache transposed: (B', NKV, D, L). `quant_q`: q as `QuantHeads` (e4m3, a scale per
-    head) for the FP8-cache attention's e4m3 QK product."""
+    v_cache transposed: (B', NKV, D, L)."""
     if impl == "torch":
-        q = _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, eps,
-                      k_exp, v_exp)
-        return _quant_heads(q) if quant_q else q
+        return _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, eps,
+                         k_exp, v_exp)
     b = qkv.shape[0]
     d = qn_w.shape[0]
-    q = torch.empty(b, nh, d, dtype=torch.uint8 if quant_q else qkv.dtype, device=qkv.device)
-    qs = torch.empty(b, nh, dtype=torch.float32, device=qkv.device) if quant_q else q
+    q = torch.empty(b, nh, d, dtype=qkv.dtype, device=qkv.device)
     fp8 = k_exp is not None
     kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
     ke, ve = (k_exp, v_exp) if fp8 else (kc, vc)
     _qk_rope_cache_kernel[(b, nh + 2 * nkv)](
-        qkv, qn_w, kn_w, cos, sin, start, pos, q, qs, kc, vc, ke, ve, eps, qkv.stride(0),
+        qkv, qn_w, kn_w, cos, sin, start, pos, q, kc, vc, ke, ve, eps, qkv.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(2), ke.stride(0), ke.stride(1),
-        NH=nh, NKV=nkv, D=d, HALF=d // 2, FP8_KV=fp8, Q8=quant_q, EXACT=_INTERPRETED)
-    return QuantHeads(q.view(torch.float8_e4m3fn), qs, qkv.dtype) if quant_q else q
+        NH=nh, NKV=nkv, D=d, HALF=d // 2, FP8_KV=fp8)
+    return q
 
 
 # Split-K decode attention: how many programs make the H200 busy. One wave is every SM running
@@ -715,7 +672,7 @@ def fp8_mma_supported(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
-def decode_attention(q: torch.Tensor | QuantHeads, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      start: torch.Tensor, pos: torch.Tensor, sm_scale: float,
                      impl: str = "torch", block_l: int = 64, k_exp: torch.Tensor | None = None,
                      v_exp: torch.Tensor | None = None, splits: int | None = 1,
@@ -735,17 +692,11 @@ def decode_attention(q: torch.Tensor | QuantHeads, k_cache: torch.Tensor, v_cach
     options (None: its defaults); `bench.decode_attention` sweeps them.
     `quant_out`: the output as the o projection's W8A8 input, (B, NH * D) in 1x128 blocks
     (`QuantAct`), quantised in the BF16-cache single-pass kernel's epilogue when D is 128, else
-    by the one-pass quantiser after.
-    q as `QuantHeads` (`qk_norm_rope_cache(quant_q=True)`): FP8 caches with e4m3 QK products
-    only; the output is in its `dtype`."""
-    pre = isinstance(q, QuantHeads)
+    by the one-pass quantiser after."""
     if impl == "torch":
-        qf = q.q.float() * q.scale[..., None] if pre else q
-        out = _attention_torch(qf, k_cache, v_cache, start, pos, sm_scale, k_exp, v_exp
-                               ).to(q.dtype)
+        out = _attention_torch(q, k_cache, v_cache, start, pos, sm_scale, k_exp, v_exp)
         return quantize_act_fast(out.reshape(out.shape[0], -1), 4, "torch") if quant_out else out
-    qx = q.q.view(torch.uint8) if pre else q
-    b, nh, d = qx.shape
+    b, nh, d = q.shape
     nkv = k_cache.shape[1]
     g = nh // nkv
     if splits is None:
@@ -755,38 +706,33 @@ def decode_attention(q: torch.Tensor | QuantHeads, k_cache: torch.Tensor, v_cach
     # at 256 x ~1,000 against ~2.1 us for the one-pass quantiser after (decode_profile, H200).
     fused = quant_out and splits == 1 and d == DEFAULT_BLOCK and k_exp is None
     if fused:   # padding rows (a bucket of 1 or 2) must quantise to zeros: no kernel writes them
-        qbuf, sc, m_pad = act_buffers(b, nh * d, qx.device, 4)
+        qbuf, sc, m_pad = act_buffers(b, nh * d, q.device, 4)
         if m_pad != b:
             qbuf.zero_(), sc.fill_(1.0)
         out = qbuf
     else:
-        out, sc, m_pad = torch.empty(b, nh, d, dtype=q.dtype, device=qx.device), qx, b
+        out, sc, m_pad = torch.empty_like(q), q, b
     consts = dict(G=g, GP=max(16, _next_pow2(g)), NH=nh, D=d, BLOCK_L=block_l)
     consts.update({k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages))
                    if v is not None})
     m = l_sum = acc = None
     if splits > 1:
-        m = torch.empty(b, nh, splits, dtype=torch.float32, device=qx.device)
+        m = torch.empty(b, nh, splits, dtype=torch.float32, device=q.device)
         l_sum = torch.empty_like(m)
-        acc = torch.empty(b, nh, splits, d, dtype=torch.float32, device=qx.device)
+        acc = torch.empty(b, nh, splits, d, dtype=torch.float32, device=q.device)
     if k_exp is not None:
         length = k_cache.shape[2]
         if length % block_l or v_cache.shape[2:] != (d, length):
             raise ValueError(f"decode_attention: an FP8 cache needs V as (rows, kv heads, {d}, "
                              f"L) and L a multiple of block_l {block_l}; got K "
                              f"{tuple(k_cache.shape)}, V {tuple(v_cache.shape)}")
-        qk8, pv8 = fp8_mma if fp8_mma is not None else (fp8_mma_supported(qx.device),) * 2
+        qk8, pv8 = fp8_mma if fp8_mma is not None else (fp8_mma_supported(q.device),) * 2
         pv8 = pv8 and block_l >= 32             # an e4m3 MMA reduces over 32 at a time
-        if pre and not qk8:
-            raise ValueError("decode_attention: a QuantHeads q needs e4m3 QK products "
-                             "(fp8_mma[0]); pass q in the model dtype instead")
         _decode_attn_fp8_kernel[(b, nkv, splits)](
-            qx, q.scale if pre else qx, k_cache.view(torch.uint8), v_cache.view(torch.uint8),
-            k_exp, v_exp, out if splits == 1 else acc, m, l_sum, start, pos, sm_scale,
-            k_cache.stride(0), k_cache.stride(1), v_cache.stride(2), k_exp.stride(0),
-            k_exp.stride(1), S=splits, QK8=qk8, PV8=pv8, QPRE=pre, EXACT=_INTERPRETED, **consts)
-    elif pre:
-        raise ValueError("decode_attention: a QuantHeads q needs an FP8 cache (k_exp, v_exp)")
+            q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_exp, v_exp,
+            out if splits == 1 else acc, m, l_sum, start, pos, sm_scale, k_cache.stride(0),
+            k_cache.stride(1), v_cache.stride(2), k_exp.stride(0), k_exp.stride(1), S=splits,
+            QK8=qk8, PV8=pv8, EXACT=_INTERPRETED, **consts)
     elif splits == 1:
         _decode_attn_kernel[(b, nkv)](q, k_cache, v_cache, out, sc, start, pos, sm_scale,
                                       k_cache.stride(0), k_cache.stride(1), m_pad, QUANT=fused,

@@ -416,9 +416,6 @@ class NativeQwen3:
         attn = attention_settings(self.cache.fp8)
         if self.cache.fp8 and self.fp8_mma is not None:
             attn["fp8_mma"] = self.fp8_mma
-        # e4m3 QK products: the cache writer hands the attention q already quantised
-        quant_q = self.cache.fp8 and impl == "triton" and (
-            self.fp8_mma[0] if self.fp8_mma is not None else K.fp8_mma_supported(self.device))
         x = F.embedding(tokens, self.tensors["embed"])
         resid = None
         for i in range(s.layers):
@@ -429,7 +426,7 @@ class NativeQwen3:
             kc, vc, ke, ve = self.cache.layer(i)
             q = K.qk_norm_rope_cache(qkv, self.tensors[p + "q_norm"], self.tensors[p + "k_norm"],
                                      self.cos, self.sin, start, pos, kc, vc, s.nh, s.nkv, s.eps,
-                                     impl, ke, ve, quant_q)
+                                     impl, ke, ve)
             quant = self.w8a8(p + "o")  # then the kernel hands over the o GEMM's FP8 input
             a = K.decode_attention(q, kc, vc, start, pos, s.head_dim ** -0.5, impl, k_exp=ke,
                                    v_exp=ve, splits=splits, quant_out=quant, **attn)
