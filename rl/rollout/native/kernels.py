@@ -36,6 +36,7 @@ fp16 activations: it mishandles bf16 dots (numpy has no bf16). On GPU they run i
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -138,16 +139,27 @@ if triton is not None:
     from rl.rollout.native.kvcache import store_kv
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, s_ptr, M, H, M_PAD, eps,
-                        HAS_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK_H: tl.constexpr,
-                        EXACT: tl.constexpr):
-        """Row `row`: h = x (+ res) (stored when HAS_RES), y = norm(h) * w in x's dtype; QUANT:
-        y as 1x128 e4m3 blocks into y_ptr (uint8 (M_PAD, H)) and their scales into s_ptr
-        (column-major), rows M..M_PAD zeros (the GEMM's padding)."""
+    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, s_ptr, M, H, M_PAD, eps, splits,
+                        HAS_RES: tl.constexpr, QUANT: tl.constexpr, PARTS: tl.constexpr,
+                        BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, EXACT: tl.constexpr):
+        """Row `row`: h = x (+ res) (stored when HAS_RES or PARTS), y = norm(h) * w in h's
+        dtype; QUANT: y as 1x128 e4m3 blocks into y_ptr (uint8 (M_PAD, H)) and their scales
+        into s_ptr (column-major), rows M..M_PAD zeros (the GEMM's padding). PARTS: x is a
+        split-K GEMM's fp32 partials (splits, M, H), summed here and rounded to h's dtype (as
+        the GEMM's own reduction would round its output; one load of all BLOCK_S >= splits
+        partials, so they are read in parallel)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         mask = cols < tl.where(row < M, H, 0)        # padding rows read as zeros
-        x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0)
+        if PARTS:
+            part = tl.arange(0, BLOCK_S)
+            xs = tl.load(x_ptr + (part[:, None] * M + row) * H + cols[None, :],
+                         mask=(part[:, None] < splits) & mask[None, :], other=0.0)
+            x = tl.sum(xs, axis=0).to(h_ptr.dtype.element_ty)
+            if not HAS_RES:
+                tl.store(h_ptr + row * H + cols, x, mask=mask)
+        else:
+            x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0)
         if HAS_RES:
             r = tl.load(res_ptr + row * H + cols, mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -590,24 +602,43 @@ if triton is not None:
 # ======================================================================================
 # Public ops
 # ======================================================================================
-def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-            impl: str = "torch", quant: bool = False
+@dataclass(frozen=True, slots=True)
+class Partials:
+    """A split-K GEMM's output left unsummed: `parts` (splits, M, N) fp32, whose sum rounded to
+    `dtype` is the product. `rmsnorm` takes it as its x and sums it on the way in, so the GEMMs
+    that feed a residual add (o_proj, down_proj) spend no launches on their reduction."""
+    parts: torch.Tensor
+    dtype: torch.dtype
+
+    def sum(self) -> torch.Tensor:
+        return self.parts.sum(0).to(self.dtype)
+
+
+def rmsnorm(x: torch.Tensor | Partials, w: torch.Tensor, eps: float,
+            residual: torch.Tensor | None = None, impl: str = "torch", quant: bool = False
             ) -> tuple[torch.Tensor | QuantAct, torch.Tensor]:
-    """(y, h): h = x (+ residual), y = rmsnorm(h) * w. x, residual (M, H) contiguous.
-    `quant`: y comes as the block-scaled GEMM's input (`QuantAct`, rows padded to 4), quantised
-    in the same kernel (one launch and no bf16 round trip through memory)."""
+    """(y, h): h = x (+ residual), y = rmsnorm(h) * w. x, residual (M, H) contiguous; x may be
+    a split-K GEMM's `Partials`, summed in the same kernel. `quant`: y comes as the
+    block-scaled GEMM's input (`QuantAct`, rows padded to 4), quantised in the same kernel (one
+    launch and no bf16 round trip through memory)."""
     if impl == "torch":
-        y, h = _rmsnorm_torch(x, w, eps, residual)
+        y, h = _rmsnorm_torch(x.sum() if isinstance(x, Partials) else x, w, eps, residual)
         return (quantize_act_fast(y, 4, "torch") if quant else y), h
-    m, hdim = x.shape
-    h = torch.empty_like(x) if residual is not None else x
+    parts = isinstance(x, Partials)
+    xs, dtype = (x.parts, x.dtype) if parts else (x, x.dtype)
+    m, hdim = xs.shape[-2:]
+    h = torch.empty(m, hdim, dtype=dtype, device=xs.device) if residual is not None or parts \
+        else x
     if quant:
-        y, sc, m_pad = act_buffers(m, hdim, x.device, 4)
+        y, sc, m_pad = act_buffers(m, hdim, xs.device, 4)
     else:
-        y, sc, m_pad = torch.empty_like(x), x, m
-    _rmsnorm_kernel[(m_pad,)](x, residual if residual is not None else x, w, y, h, sc, m, hdim,
-                              m_pad, eps, HAS_RES=residual is not None, QUANT=quant,
-                              BLOCK_H=max(DEFAULT_BLOCK, _next_pow2(hdim)), EXACT=_INTERPRETED)
+        y, sc, m_pad = torch.empty_like(h), xs, m
+    _rmsnorm_kernel[(m_pad,)](xs, residual if residual is not None else xs, w, y, h, sc, m, hdim,
+                              m_pad, eps, xs.shape[0] if parts else 1,
+                              HAS_RES=residual is not None, QUANT=quant, PARTS=parts,
+                              BLOCK_S=_next_pow2(xs.shape[0]) if parts else 1,
+                              BLOCK_H=max(DEFAULT_BLOCK, _next_pow2(hdim)), EXACT=_INTERPRETED,
+                              num_warps=8 if parts else 4)
     return (QuantAct(y.view(torch.float8_e4m3fn), sc.t(), m) if quant else y), h
 
 
@@ -835,36 +866,48 @@ def _block_scaled_ok(device: torch.device) -> bool:
     return cuda_unavailable_reason(device) is None
 
 
+def _w8a8_tiles(m: int, tiles: dict) -> tuple[int, int]:
+    return tiles.get("BM", 16 if m <= 16 else 32 if m <= 32 else 64), tiles.get("BN", 64)
+
+
+def w8a8_triton_splits(m: int, n: int, k: int) -> int:
+    """K splits `w8a8_triton` launches for an (m, k) x (n, k)^T product at default tiles."""
+    return _split_k(m, n, triton.cdiv(k, DEFAULT_BLOCK), *_w8a8_tiles(m, {}), {})[0]
+
+
 def w8a8_triton(act: QuantAct, w: torch.Tensor, scale: torch.Tensor,
-                out_dtype: torch.dtype = torch.bfloat16, tiles: dict | None = None
-                ) -> torch.Tensor:
+                out_dtype: torch.dtype = torch.bfloat16, tiles: dict | None = None,
+                partial: bool = False) -> torch.Tensor | Partials:
     """`act` @ deq(w (N, K)).T -> (act.rows, N): the W8A8 product of `w8a8_linear` in our own
     Triton kernel instead of cuBLAS's, with the W8A16 kernel's skinny-GEMM tiling (narrow tiles
     and split-K so decode's few output tiles fill the GPU). `tiles` overrides BM, BN, split,
-    num_warps, num_stages (`bench.fp8_gemm` measures them)."""
+    num_warps, num_stages (`bench.fp8_gemm` measures them). `partial`: a split-K launch returns
+    its `Partials` for the consuming `rmsnorm` to sum (no reduction launches here)."""
     m, k = act.rows, act.q.shape[1]
     n = w.shape[0]
     t = tiles or {}
-    bm = t.get("BM", 16 if m <= 16 else 32 if m <= 32 else 64)
-    bn = t.get("BN", 64)
+    bm, bn = _w8a8_tiles(m, t)
     split, per = _split_k(m, n, triton.cdiv(k, DEFAULT_BLOCK), bm, bn, t)
     y = _partials(split, m, n, out_dtype, act.q.device)
     launch = {key: t[key] for key in ("num_warps", "num_stages") if key in t}
     _w8a8_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
         act.q.view(torch.uint8), act.scale, w, scale, y, m, n, k, act.q.shape[0],
         scale.stride(0), per * DEFAULT_BLOCK, BM=bm, BN=bn, **launch)
-    return y.sum(0).to(out_dtype) if split > 1 else y
+    if split == 1:
+        return y
+    return Partials(y, out_dtype) if partial else y.sum(0).to(out_dtype)
 
 
 def w8a8_linear(x: torch.Tensor | QuantAct, w: torch.Tensor, scale: torch.Tensor,
                 impl: str = "torch", out_dtype: torch.dtype | None = None,
-                gemm: str = "cublas") -> torch.Tensor:
+                gemm: str = "cublas", partial: bool = False) -> torch.Tensor | Partials:
     """x (M, K) @ deq(w (N, K)).T -> (M, N), both operands e4m3 on the tensor cores: x
     quantised in 1x128 blocks (or already, a `QuantAct` from `rmsnorm` / `silu_mul` with
     quant=True), times the block-FP8 weight (`w` uint8 e4m3 bytes, `scale` fp32 (N / 128,
     K / 128)) on `rl.quant.backends`' block-scaled GEMM (see `w8a8_supported`), or with
     gemm="triton" on `w8a8_triton`. The torch path emulates it (dequantised operands, fp32
-    product). Out: x's dtype (a `QuantAct`: out_dtype, default bf16)."""
+    product). Out: x's dtype (a `QuantAct`: out_dtype, default bf16). `partial`: see
+    `w8a8_triton` (the other paths return the product)."""
     w8 = w.view(torch.float8_e4m3fn)
     if isinstance(x, QuantAct):
         out_dtype = out_dtype or torch.bfloat16
@@ -873,7 +916,7 @@ def w8a8_linear(x: torch.Tensor | QuantAct, w: torch.Tensor, scale: torch.Tensor
             return (xf @ dequantize_weight_block(w8, scale, DEFAULT_BLOCK,
                                                  torch.float32).t()).to(out_dtype)
         if gemm == "triton":
-            return w8a8_triton(x, w, scale, out_dtype)
+            return w8a8_triton(x, w, scale, out_dtype, partial=partial)
         return block_scaled_mm(x, w8, scale, out_dtype)
     if impl != "torch" and gemm == "triton":
         return w8a8_triton(quantize_act_fast(x, 4, impl), w, scale, out_dtype or x.dtype)

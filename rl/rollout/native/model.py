@@ -102,13 +102,24 @@ def attention_settings(fp8_kv: bool) -> dict:
     return dict(block_l=KV_FP8_SLOT_ALIGN) if fp8_kv else {}
 
 
-# Which W8A8 kernel a GEMM takes, from bench/results/fp8_gemm.md (H200): ours
-# (`kernels.w8a8_triton`, split-K) for skinny GEMMs with a long K at small batches, where it
-# beats cuBLAS's block-scaled GEMM by 10-20% (o and down at 64 rows: 7.5 vs 8.3 us, 9.6 vs
-# 11.6; a 30B-sized 4096 x 8192 at 64 rows: 22.4 vs 25.1); cuBLAS's everywhere else (it wins
-# at 256 rows and at K = 1024).
+# Which W8A8 kernel a GEMM takes, from bench/results/fp8_gemm.md (H200):
+# ours (`kernels.w8a8_triton`, split-K) for skinny GEMMs with a long K, where it beats cuBLAS's
+# block-scaled GEMM: up to W8A8_TRITON_ROWS rows summing its own partials (o and down at 64
+# rows: 7.6 vs 8.8 us, 9.6 vs 11.5), up to W8A8_PARTIAL_ROWS when it splits K and the RMSNorm
+# after it sums the partials (`Partials`; o and down at 256 rows: 5.9 + 0.4 vs 9.1, 7.8 + 0.4
+# vs 11.8; unsplit, as a 30B-sized 4096 x 8192 at 256 rows, cuBLAS's 26 us beat its 52);
+# cuBLAS's everywhere else (it wins at K = 1024 and for prefill).
 W8A8_TRITON_ROWS = 64
+W8A8_PARTIAL_ROWS = 256
 W8A8_TRITON_MIN_K = 2048
+
+
+def w8a8_kernel(rows: int, n: int, k: int, partial: bool) -> str:
+    """"triton" or "cublas": the W8A8 GEMM "auto" picks for `rows` x (n, k)^T, by the rule
+    above; `partial`: the caller takes `kernels.Partials`."""
+    ours = k >= W8A8_TRITON_MIN_K and (rows <= W8A8_TRITON_ROWS or (
+        partial and rows <= W8A8_PARTIAL_ROWS and K.w8a8_triton_splits(rows, n, k) > 1))
+    return "triton" if ours else "cublas"
 
 
 class NativeQwen3:
@@ -126,8 +137,12 @@ class NativeQwen3:
         """Tests: the FP8-cache attention's (QK, PV) e4m3 products (None: the kernel's choice)."""
         self.fp8_gemm = "auto"
         """FP8 weights' GEMM: "auto" = W8A8 where `kernels.w8a8_supported` (our Triton kernel
-        up to `W8A8_TRITON_ROWS` rows when K >= `W8A8_TRITON_MIN_K`, else cuBLAS's), else
-        W8A16; tests and benchmarks pin "cublas" or "triton" (W8A8 on that kernel) or "w8a16"."""
+        when K >= `W8A8_TRITON_MIN_K` up to `W8A8_TRITON_ROWS` rows, or `W8A8_PARTIAL_ROWS`
+        for a split-K o / down at decode; else cuBLAS's), else W8A16; tests and benchmarks pin
+        "cublas" or "triton" (W8A8 on that kernel) or "w8a16"."""
+        self.fused_partials = True
+        """Decode hands split-K partials of o / down to the RMSNorm after them (`linear`'s
+        `partial`); benchmarks set False to measure the GEMM's own reduction instead."""
         self.fp8, self.kv_fp8 = fp8, kv_fp8
         self.routes: dict[int, torch.Tensor] = {}
         """MoE layer -> (T, top_k) expert ids of the last forward through it."""
@@ -290,7 +305,10 @@ class NativeQwen3:
         return (slot.fp8 and self.impl == "triton" and self.fp8_gemm != "w8a16"
                 and K.w8a8_supported(*slot.w.shape, self.device))
 
-    def linear(self, x: torch.Tensor | QuantAct, key: str) -> torch.Tensor:
+    def linear(self, x: torch.Tensor | QuantAct, key: str, partial: bool = False
+               ) -> torch.Tensor | K.Partials:
+        """x @ W(key).T. `partial`: the caller sums a split-K product itself (it hands the
+        result to `kernels.rmsnorm`), so our split-K W8A8 kernel may return `kernels.Partials`."""
         slot = self.linears[key]
         if not slot.fp8:
             return F.linear(x, slot.w)
@@ -300,24 +318,24 @@ class NativeQwen3:
         # inputs mostly arrive quantised by the kernel that produced them.
         if isinstance(x, QuantAct) or self.w8a8(key):
             gemm = self.fp8_gemm
+            partial = partial and self.fused_partials
             if gemm == "auto":
-                rows = x.rows if isinstance(x, QuantAct) else x.shape[0]
-                gemm = ("triton" if rows <= W8A8_TRITON_ROWS
-                        and slot.w.shape[1] >= W8A8_TRITON_MIN_K else "cublas")
+                gemm = w8a8_kernel(x.rows if isinstance(x, QuantAct) else x.shape[0],
+                                   *slot.w.shape, partial)
             return K.w8a8_linear(x, slot.w, slot.scale, impl=self.impl, out_dtype=self.dtype,
-                                 gemm=gemm)
+                                 gemm=gemm, partial=partial)
         if self.impl == "triton" and x.shape[0] <= _DEQUANT_ROWS:
             return K.w8a16_linear(x, slot.w, slot.scale, impl="triton")
         if self.impl == "triton":
             return F.linear(x, slot.dequantized(self.dtype))
         return K.w8a16_linear(x, slot.w, slot.scale, impl="torch")
 
-    def mlp(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        """x (T, H) -> (T, H): dense SwiGLU or top-k MoE."""
+    def mlp(self, x: torch.Tensor, i: int, partial: bool = False) -> torch.Tensor | K.Partials:
+        """x (T, H) -> (T, H): dense SwiGLU or top-k MoE. `partial`: as `linear`'s."""
         p = f"layers.{i}."
         if not self.s.is_moe[i]:
             act = K.silu_mul(self.linear(x, p + "gate_up"), self.impl, quant=self.w8a8(p + "down"))
-            return self.linear(act, p + "down")
+            return self.linear(act, p + "down", partial)
         return self.moe(x, i)
 
     def moe(self, x: torch.Tensor, i: int) -> torch.Tensor:
@@ -430,10 +448,11 @@ class NativeQwen3:
             quant = self.w8a8(p + "o")  # then the kernel hands over the o GEMM's FP8 input
             a = K.decode_attention(q, kc, vc, start, pos, s.head_dim ** -0.5, impl, k_exp=ke,
                                    v_exp=ve, splits=splits, quant_out=quant, **attn)
-            o = self.linear(a if quant else a.view(b, s.nh * s.head_dim), p + "o")
+            # o and down feed RMSNorms, which sum a split-K GEMM's partials as they read them
+            o = self.linear(a if quant else a.view(b, s.nh * s.head_dim), p + "o", partial=True)
             # a dense layer's norm feeds one W8A8 GEMM; an MoE layer's also feeds its router
             h, resid = K.rmsnorm(o, self.tensors[p + "ln2"], s.eps, resid, impl,
                                  quant=not s.is_moe[i] and self.w8a8(p + "gate_up"))
-            x = self.mlp(h, i)
+            x = self.mlp(h, i, partial=True)
         h, _ = K.rmsnorm(x, self.tensors["final_norm"], s.eps, resid, impl)
         return self.logits(h, fp32_logits)

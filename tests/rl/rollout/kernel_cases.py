@@ -290,6 +290,35 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
         close(f"w8a8 triton {m}x{k}x{n} {tiles}",
               K.w8a8_triton(act, w8.view(torch.uint8), sc, DT, tiles),
               K.w8a8_linear(act, w8.view(torch.uint8), sc, "torch", out_dtype=DT), 1e-2)
+
+    # A split-K product left as Partials (o / down at decode) and summed by the RMSNorm that
+    # consumes it: the same h and y (and quantised y) as the GEMM's own reduction followed by
+    # the plain RMSNorm, with and without a residual; 6 rows (quantised output padded to 8).
+    w8, sc = quantize_weight_block(r(384, 768))
+    act = quantize_act_fast(r(6, 768).to(DT), 4, "triton")
+    # 6 K blocks, 4 splits asked: 2 blocks each, so 3 partials (not a power of two)
+    parts = K.w8a8_triton(act, w8.view(torch.uint8), sc, DT, dict(split=4), partial=True)
+    assert isinstance(parts, K.Partials) and parts.parts.shape == (3, 6, 384), type(parts)
+    summed = K.w8a8_triton(act, w8.view(torch.uint8), sc, DT, dict(split=4))
+    assert summed.dtype == DT and summed.shape == (6, 384)
+    close("partials sum vs the emulation", parts.sum(),
+          K.w8a8_linear(act, w8.view(torch.uint8), sc, "torch", out_dtype=DT), 1e-2)
+    assert isinstance(K.w8a8_triton(act, w8.view(torch.uint8), sc, DT, dict(split=1),
+                                    partial=True), torch.Tensor), "one split: nothing to sum"
+    wn = (1 + 0.1 * r(384)).to(DT)
+    for res in (None, r(6, 384).to(DT)):
+        for quant in (False, True):
+            got_y, got_h = K.rmsnorm(parts, wn, 1e-6, res, "triton", quant=quant)
+            ref_y, ref_h = K.rmsnorm(summed, wn, 1e-6, res, "triton", quant=quant)
+            tag = f"rmsnorm(Partials) residual={res is not None} quant={quant}"
+            assert got_h.dtype == DT and got_h.shape == (6, 384), tag
+            close(f"{tag} h", got_h, ref_h, 1e-3 * tl_scale)
+            if quant:
+                same_quant(tag, got_y, K.rmsnorm(summed, wn, 1e-6, res, "torch")[0])
+            else:
+                close(f"{tag} y", got_y, ref_y, 2e-3 * tl_scale)
+            torch_y, torch_h = K.rmsnorm(parts, wn, 1e-6, res, "torch")
+            close(f"{tag} torch path h", torch_h, ref_h, 1e-3 * tl_scale)
     if K.w8a8_supported(256, 512, torch.device(device)):   # Hopper, CUDA 12.9+ (GPU run)
         w8, sc = quantize_weight_block(r(256, 512))
         for m in (64, 7):                                      # 7 rows: padded to 8 inside
