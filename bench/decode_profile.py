@@ -42,7 +42,7 @@ GROUPS = (("attention", ("decode_attn", "attention", "sdpa", "flash")),
           ("rmsnorm", ("rmsnorm", "rms_norm")),
           ("silu", ("silu",)),
           ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "_linear_kernel", "grouped", "mma",
-                    "matmul", "addmm", "aten::mm", "aten::bmm", "scaled_mm")),
+                    "matmul", "addmm", "aten::mm", "aten::bmm", "scaled_mm", "w8a8")),
           ("fp8 activation quant", ("act_quant",)),
           ("sampling", ("sample", "softmax", "exponential", "multinomial", "argmax", "topk", "sort",
                         "log_softmax", "gather", "div", "isin", "max")))

@@ -102,8 +102,8 @@ def sweep(x, wq, ws, rot, it) -> tuple[float, dict]:
     return best
 
 
-def case(m: int, n: int, k: int, device: str, smoke: bool, do_sweep: bool = False
-         ) -> dict[str, float | None]:
+def case(m: int, n: int, k: int, device: str, smoke: bool, do_sweep: bool = False,
+         feeds_norm: bool = False) -> dict[str, float | None]:
     from rl.quant.block_fp8 import quantize_weight_block
     from rl.rollout.native import kernels as K
     torch.manual_seed(0)
@@ -168,6 +168,18 @@ def case(m: int, n: int, k: int, device: str, smoke: bool, do_sweep: bool = Fals
                                                  tiles=cfg), reps=32, iters=8)
             best = min(best, (t, cfg), key=lambda b: b[0])
         out["w8a8_triton_best"], out["w8a8_triton_tiles"] = best
+        if feeds_norm:   # o / down at decode: split-K partials summed by the RMSNorm after
+            part = K.w8a8_triton(xq8, wq[0], ws[0], partial=True)
+            if isinstance(part, K.Partials):
+                out["splits"] = part.parts.shape[0]
+                out["w8a8_triton_partial"] = time_cuda(lambda: K.w8a8_triton(
+                    xq8, wq[(j := next(it) % rot)], ws[j], partial=True))
+                res, wn = torch.randn_like(tri).bfloat16(), torch.ones(n, device=device,
+                                                                       dtype=torch.bfloat16)
+                summed = part.sum()
+                out["norm_partials_extra"] = (
+                    time_cuda(lambda: K.rmsnorm(part, wn, 1e-6, res, "triton", quant=True))
+                    - time_cuda(lambda: K.rmsnorm(summed, wn, 1e-6, res, "triton", quant=True)))
     return out
 
 
@@ -186,11 +198,13 @@ def main() -> None:
     rows = []
     for m in ([4] if args.smoke else args.m):
         for name, (n, k) in per.items():
-            r = case(m, n, k, device, args.smoke, args.sweep)
+            r = case(m, n, k, device, args.smoke, args.sweep, feeds_norm=n == fields[
+                "hidden_size"] or name.startswith("30B"))
             row = {"shape": name, "M": m, "N": n, "K": k, **{
                 f"{key} us": v * 1e6 for key, v in r.items()
                 if key in ("bf16", "w8a16", "w8a16_best", "w8a8", "w8a8_quant", "w8a8_block",
-                           "w8a8_block_quant", "act_quant", "w8a8_triton", "w8a8_triton_best")
+                           "w8a8_block_quant", "act_quant", "w8a8_triton", "w8a8_triton_best",
+                           "w8a8_triton_partial", "norm_partials_extra")
                 and v is not None}}
             if "w8a8_triton_tiles" in r:
                 row["w8a8 triton best tiles"] = " ".join(
@@ -217,16 +231,22 @@ def main() -> None:
                 if "w8a8_triton" in r:
                     row["w8a8 triton / bf16"] = r["bf16"] / r["w8a8_triton"]
                     row["w8a8 triton best / bf16"] = r["bf16"] / r["w8a8_triton_best"]
+                if "w8a8_triton_partial" in r:
+                    row["splits"] = r["splits"]
+                    row["w8a8 triton partial+norm / bf16"] = r["bf16"] / (
+                        r["w8a8_triton_partial"] + r["norm_partials_extra"])
             if "w8a8_error" in r:
                 row["note"] = r["w8a8_error"]
             rows.append(row)
     cols = ["shape", "M", "N", "K", "bf16 us", "w8a16 us", "w8a16_best us", "w8a8 us",
             "w8a8_quant us", "w8a8_block us", "w8a8_block_quant us", "act_quant us",
-            "w8a8_triton us", "w8a8_triton_best us", "w8a8 triton best tiles",
+            "w8a8_triton us", "w8a8_triton_best us", "w8a8 triton best tiles", "splits",
+            "w8a8_triton_partial us", "norm_partials_extra us",
             "roofline bf16 us", "roofline fp8 us", "w8a16 / bf16",
             "w8a16 best / bf16", "best tiles", "w8a8 / bf16",
             "w8a8+quant / bf16", "w8a8 block / bf16", "w8a8 block+quant / bf16",
-            "w8a8 triton / bf16", "w8a8 triton best / bf16", "w8a16 err",
+            "w8a8 triton / bf16", "w8a8 triton best / bf16", "w8a8 triton partial+norm / bf16",
+            "w8a16 err",
             "w8a8 err", "w8a8 block err", "w8a8 block vs emulation", "w8a8 triton vs emulation",
             "note"]
     notes = ["x / bf16 columns: speed-up over BF16 (>1 = FP8 faster); err: relative Frobenius "
@@ -238,7 +258,13 @@ def main() -> None:
              "w8a8 triton: `kernels.w8a8_triton`, our kernel for the same block-scaled product "
              "(e4m3 x e4m3 tensor-core dots, scales applied per 128-wide K block, narrow tiles "
              "and split-K for decode's skinny GEMMs) on pre-quantised activations; best: the "
-             "fastest of BN in 32/64/128 x split 1/2/4 x 3/4 stages"]
+             "fastest of BN in 32/64/128 x split 1/2/4 x 3/4 stages",
+             "w8a8_triton_partial: the same kernel (default tiles) leaving its `splits` split-K "
+             "partials unsummed (`Partials`), as the engine runs o and down at decode; "
+             "norm_partials_extra: what summing them costs the RMSNorm that reads them (its time "
+             "on the partials minus its time on their bf16 sum, with residual and FP8 output); "
+             "partial+norm / bf16: BF16's GEMM over those two (rows of GEMMs that feed an "
+             "RMSNorm: hidden-sized outputs)"]
     if bw:
         notes.append(f"HBM copy bandwidth measured here: {bw:,.0f} GB/s")
     name = "fp8_gemm_sweep" if args.sweep else "fp8_gemm"

@@ -23,6 +23,10 @@ native configuration once per decode attention kernel, side by side; rows of a m
 `single` (the default) name it in the engine column, and vs_native_bf16 stays relative to native
 bf16 with the single-pass kernel.
 
+"native fp8 (GEMM sums its split-K)": the FP8-weight engine with our split-K W8A8 kernel summing
+its partials itself (two more launches per o / down GEMM), the path before the RMSNorm after
+those GEMMs summed them (`kernels.Partials`); the same weights, side by side.
+
 Run: python -m bench.rollout
 """
 from __future__ import annotations
@@ -148,6 +152,8 @@ def main() -> None:
              "at that batch (1 = the single-pass kernel)",
              "vs_native_bf16: tokens/s over native bf16 (BF16 weights and KV cache) at the same "
              "model, batch and length",
+             "native fp8 (GEMM sums its split-K): o / down's split-K partials summed by the GEMM "
+             "(two launches each) instead of by the RMSNorm that reads them",
              "targets (0.6B, batch 256): native FP8 >= 4x HF generate; >= 35% of roofline; "
              "FP8 weights + FP8 KV >= 1.5x native bf16 at 1024 new tokens; ~2x max_seqs"]
     columns = ["model", "engine", "attn_splits", "batch", "new_tokens", "seconds", "tokens_per_s",
@@ -179,8 +185,11 @@ def main() -> None:
         state = full_state_for_engine(hf)
         prompts = {b: torch.randint(2, shape.vocab, (b, prompt_len), generator=g).tolist()
                    for b in batches}
-        for quant, kv in (("fp8", "auto"), ("fp8", "fp8"), ("hf", None), ("none", "auto"),
-                          ("none", "fp8")):
+        # fused=False: the FP8 engine with our split-K GEMM summing its own partials, the
+        # path before the RMSNorm summed them (`NativeQwen3.fused_partials`), side by side
+        for quant, kv, fused in (("fp8", "auto", True), ("fp8", "auto", False),
+                                 ("fp8", "fp8", True), ("hf", None, True),
+                                 ("none", "auto", True), ("none", "fp8", True)):
             if quant == "hf":
                 hf_bytes = sum(t.numel() * t.element_size() for t in hf.parameters())
                 for b in batches:
@@ -207,10 +216,12 @@ def main() -> None:
                                                   dtype="bfloat16" if gpu else "float32")
                 engine.load_weights(state, version=1)
                 engine.model.fixed_splits = fixed
+                engine.model.fused_partials = fused
                 wbytes = engine.model.weight_bytes()
                 kv_token = engine.model.cache_bytes(1) / cfg.max_model_len
                 name = "native " + ("fp8" if quant == "fp8" else "bf16") + (
                     " + fp8 kv" if kv == "fp8" else "") + (
+                    "" if fused else " (GEMM sums its split-K)") + (
                     f" ({fixed} splits)" if fixed is not None else
                     "" if mode == "single" else f" ({mode} attention)")
                 for b in batches:
@@ -224,7 +235,7 @@ def main() -> None:
                               "tokens_per_s": b * new / secs,
                               "roofline_tokens_per_s": b * new / roof,
                               "fraction_of_roofline": roof / secs, "weight_GB": wbytes / 1e9})
-                if i == 0:  # the cache holds as many sequences whatever the attention kernel
+                if i == 0 and fused:  # as many sequences whatever the attention / GEMM kernel
                     budget = args.mem_fraction * total_mem - wbytes - args.overhead_gb * 1e9
                     seqs, cache_gb = max_sequences(engine, budget)
                     save({"model": label, "engine": name, "weight_GB": wbytes / 1e9,
