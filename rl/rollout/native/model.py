@@ -369,11 +369,9 @@ class NativeQwen3:
 
         With `write_cache`, k/v of every slot go to cache rows [0, B), slots [0, P).
         """
-        s = self.s
+        s, impl = self.s, self.impl
         b, width = ids.shape
         slots = torch.arange(width, device=ids.device)
-        position = (slots[None, :] - start[:, None].long()).clamp(min=0)     # (B, P)
-        cos, sin = self.cos[position][:, None], self.sin[position][:, None]  # (B, 1, P, D/2)
         causal = slots[None, :] <= slots[:, None]                            # (P, P) q x k
         valid_k = slots[None, :] >= start[:, None].long()                     # (B, P)
         # Pad queries attend to themselves only, so no row is all -inf (NaN-free pads).
@@ -383,22 +381,22 @@ class NativeQwen3:
         resid = None
         for i in range(s.layers):
             p = f"layers.{i}."
-            h, resid = K.rmsnorm(x, self.tensors[p + "ln1"], s.eps, resid, "torch")
-            qkv = self.linear(h, p + "qkv").view(b, width, s.nh + 2 * s.nkv, s.head_dim)
-            qkv = qkv.transpose(1, 2).float()                                # (B, heads, P, D)
-            q, k, v = qkv.split([s.nh, s.nkv, s.nkv], dim=1)
-            q = K._rope_torch(K._rmsnorm_torch(q, self.tensors[p + "q_norm"], s.eps)[0], cos, sin)
-            k = K._rope_torch(K._rmsnorm_torch(k, self.tensors[p + "k_norm"], s.eps)[0], cos, sin)
-            q, k, v = q.to(self.dtype), k.to(self.dtype), v.to(self.dtype)
+            # the decode step's fused kernels (RMSNorm + residual + the W8A8 input's
+            # quantisation; q/k norm + rotary in one pass), so prefill and decode round alike
+            h, resid = K.rmsnorm(x, self.tensors[p + "ln1"], s.eps, resid, impl,
+                                 quant=self.w8a8(p + "qkv"))
+            q, k, v = K.qk_norm_rope_prefill(self.linear(h, p + "qkv"), self.tensors[p + "q_norm"],
+                                             self.tensors[p + "k_norm"], self.cos, self.sin,
+                                             start, width, s.nh, s.nkv, s.eps, impl)
             if write_cache:
                 self.cache.write(i, k, v)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
                                                scale=s.head_dim ** -0.5, enable_gqa=True)
             a = a.transpose(1, 2).reshape(b * width, s.nh * s.head_dim)
             h, resid = K.rmsnorm(self.linear(a, p + "o"), self.tensors[p + "ln2"], s.eps, resid,
-                                 "torch")
+                                 impl, quant=not s.is_moe[i] and self.w8a8(p + "gate_up"))
             x = self.mlp(h, i)
-        h, _ = K.rmsnorm(x, self.tensors["final_norm"], s.eps, resid, "torch")
+        h, _ = K.rmsnorm(x, self.tensors["final_norm"], s.eps, resid, impl)
         return h.view(b, width, s.hidden)
 
     def logits(self, h: torch.Tensor, fp32: bool = True) -> torch.Tensor:

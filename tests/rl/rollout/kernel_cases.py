@@ -145,6 +145,23 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
     close("qk rope k cache", caches[0], ref_caches[0], 2e-3 * tl_scale)
     close("qk rope v cache", caches[1], ref_caches[1], 1e-3 * tl_scale)
 
+    # Prefill's q/k norm + rotary over every slot of 3 left-padded rows of width 22 (rows
+    # starting at 0, 5 and 17: pad slots rotate at position 0), v passed through.
+    width = 22
+    qkv_p = r(b * width, (nh + 2 * nkv) * d).to(DT)
+    got = K.qk_norm_rope_prefill(qkv_p, qn, kn, cos, sin, start, width, nh, nkv, 1e-6, "triton")
+    ref = K.qk_norm_rope_prefill(qkv_p, qn, kn, cos, sin, start, width, nh, nkv, 1e-6, "torch")
+    for name, g_, r_, shape in zip("qkv", got, ref, ((b, nh, width, d), (b, nkv, width, d),
+                                                      (b, nkv, width, d))):
+        assert g_.shape == shape and g_.dtype == DT, (name, g_.shape, g_.dtype)
+        close(f"prefill qk rope {name}", g_, r_, 2e-3 * tl_scale)
+    # the prefill's slot `pos` of each row = what the decode kernel writes there
+    at = (torch.arange(b, device=device) * width + int(pos)).long()
+    close("prefill q = decode q at the same slot", got[0][:, :, int(pos)],
+          K.qk_norm_rope_cache(qkv_p[at], qn, kn, cos, sin, start, pos,
+                               *[c.clone() for c in caches], nh, nkv, 1e-6, "triton"),
+          2e-3 * tl_scale)
+
     for block_l in (16, 64):
         a = K.decode_attention(q, *caches, start, pos, d ** -0.5, "triton", block_l=block_l)
         a0 = K.decode_attention(q, *caches, start, pos, d ** -0.5, "torch")
