@@ -7,10 +7,13 @@ small models once CUDA graphs remove the Python overhead.
 
 Ops (shapes: B rows, NH query heads, NKV kv heads, D head dim, L cache length):
 - `rmsnorm(x (M, H), w (H,), eps, residual=None)`: with `residual`, first `h = x + residual`
-  (rounded to x's dtype, as HF adds in the model dtype), returns `(norm(h) * w, h)`.
+  (rounded to x's dtype, as HF adds in the model dtype), returns `(norm(h) * w, h)`; x may be
+  a split-K GEMM's unsummed `Partials` (o / down at decode), summed on the way in.
 - `qk_norm_rope_cache(qkv (B, (NH+2NKV)*D), ...)`: per-head RMSNorm of q and k, rotary embedding
   at position `pos - start[b]`, q out as (B, NH, D); k and v written into the caches at slot `pos`
-  (FP8 caches: quantised on write, see `rl.rollout.native.kvcache`).
+  (FP8 caches: quantised on write, see `rl.rollout.native.kvcache`). `qk_norm_rope_prefill`:
+  the same norm and rotary over every slot of a left-padded prefill, q / k / v out in
+  attention layout (B, heads, P, D).
 - `decode_attention(q (B, NH, D), k_cache, v_cache (B, NKV, L, D), start (B,), pos (1,))`: one
   query per row over cache slots [start[b], pos]; online softmax in fp32. FP8 caches are read
   as bytes, V transposed (B, NKV, D, L); their per-token scales multiply the scores and softmax
