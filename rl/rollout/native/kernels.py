@@ -929,7 +929,7 @@ def w8a16_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
     _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
         x, w, scale if fp8 else w, y, m, n, k, scale.stride(0) if fp8 else 0, per * bk,
         FP8=fp8, BM=bm, BN=bn, BK=bk, **launch)
-    return y.sum(0).to(x.dtype) if split > 1 else y
+    return Partials(y, x.dtype).sum() if split > 1 else y
 
 
 def w8a8_supported(n: int, k: int, device: torch.device) -> bool:
@@ -973,7 +973,8 @@ def w8a8_triton(act: QuantAct, w: torch.Tensor, scale: torch.Tensor,
         scale.stride(0), per * DEFAULT_BLOCK, BM=bm, BN=bn, **launch)
     if split == 1:
         return y
-    return Partials(y, out_dtype) if partial else y.sum(0).to(out_dtype)
+    parts = Partials(y, out_dtype)
+    return parts if partial else parts.sum()
 
 
 def w8a8_linear(x: torch.Tensor | QuantAct, w: torch.Tensor, scale: torch.Tensor,
