@@ -102,37 +102,8 @@ def sweep(x, wq, ws, rot, it) -> tuple[float, dict]:
     return best
 
 
-def consumer_extra(consumer: str, part, fields: dict, device: str) -> float:
-    """Seconds that reading the split-K `part`ials instead of their bf16 sum adds to the
-    decode kernel after the GEMM (`consumer`): the RMSNorm after o / down (with residual and
-    FP8 output), the q/k norm + rotary + cache write after qkv (bf16 cache), the SiLU after
-    gate_up (FP8 output)."""
-    from rl.rollout.native import kernels as K
-    summed = part.sum()
-    m, n = summed.shape
-    if consumer == "rmsnorm":
-        res, wn = torch.randn_like(summed), torch.ones(n, device=device, dtype=torch.bfloat16)
-        run = lambda x: K.rmsnorm(x, wn, 1e-6, res, "triton", quant=True)  # noqa: E731
-    elif consumer == "silu_mul":
-        run = lambda x: K.silu_mul(x, "triton", quant=True)  # noqa: E731
-    else:
-        nh, nkv, d = (fields[f] for f in ("num_attention_heads", "num_key_value_heads",
-                                          "head_dim"))
-        wq = torch.ones(d, device=device, dtype=torch.bfloat16)
-        length = 256
-        ang = torch.arange(length, device=device)[:, None] * torch.ones(d // 2, device=device)
-        cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
-        start = torch.zeros(m, dtype=torch.int32, device=device)
-        pos = torch.full((1,), length // 2, dtype=torch.int32, device=device)
-        kc, vc = (torch.zeros(m, nkv, length, d, device=device, dtype=torch.bfloat16)
-                  for _ in range(2))
-        run = lambda x: K.qk_norm_rope_cache(x, wq, wq, cos, sin, start, pos,  # noqa: E731
-                                             kc, vc, nh, nkv, 1e-6, "triton")
-    return time_cuda(lambda: run(part)) - time_cuda(lambda: run(summed))
-
-
 def case(m: int, n: int, k: int, device: str, smoke: bool, do_sweep: bool = False,
-         consumer: str | None = None, fields: dict | None = None) -> dict[str, float | None]:
+         feeds_norm: bool = False) -> dict[str, float | None]:
     from rl.quant.block_fp8 import quantize_weight_block
     from rl.rollout.native import kernels as K
     torch.manual_seed(0)
@@ -197,24 +168,18 @@ def case(m: int, n: int, k: int, device: str, smoke: bool, do_sweep: bool = Fals
                                                  tiles=cfg), reps=32, iters=8)
             best = min(best, (t, cfg), key=lambda b: b[0])
         out["w8a8_triton_best"], out["w8a8_triton_tiles"] = best
-        if consumer:   # at decode: split-K partials summed by the kernel after the GEMM
+        if feeds_norm:   # o / down at decode: split-K partials summed by the RMSNorm after
             part = K.w8a8_triton(xq8, wq[0], ws[0], partial=True)
             if isinstance(part, K.Partials):
                 out["splits"] = part.parts.shape[0]
                 out["w8a8_triton_partial"] = time_cuda(lambda: K.w8a8_triton(
                     xq8, wq[(j := next(it) % rot)], ws[j], partial=True))
-                out["consumer_partials_extra"] = consumer_extra(consumer, part, fields, device)
-            best = (float("inf"), {})  # partial launches over BN x split (engine: defaults)
-            for bn, sp in itertools.product((32, 64), (2, 4, 8)):
-                cfg = dict(BN=bn, split=sp)
-                if not isinstance(K.w8a8_triton(xq8, wq[0], ws[0], tiles=cfg, partial=True),
-                                  K.Partials):
-                    continue
-                t = time_cuda(lambda: K.w8a8_triton(xq8, wq[(j := next(it) % rot)], ws[j],
-                                                     tiles=cfg, partial=True), reps=32, iters=8)
-                best = min(best, (t, cfg), key=lambda b: b[0])
-            if best[1]:
-                out["w8a8_triton_partial_best"], out["partial_best_tiles"] = best
+                res, wn = torch.randn_like(tri).bfloat16(), torch.ones(n, device=device,
+                                                                       dtype=torch.bfloat16)
+                summed = part.sum()
+                out["norm_partials_extra"] = (
+                    time_cuda(lambda: K.rmsnorm(part, wn, 1e-6, res, "triton", quant=True))
+                    - time_cuda(lambda: K.rmsnorm(summed, wn, 1e-6, res, "triton", quant=True)))
     return out
 
 
@@ -233,22 +198,17 @@ def main() -> None:
     rows = []
     for m in ([4] if args.smoke else args.m):
         for name, (n, k) in per.items():
-            consumer = {"qkv": "qk_norm_rope_cache", "gate_up": "silu_mul"}.get(
-                name, "rmsnorm")          # o, down and the 30B-sized o feed RMSNorms
-            r = case(m, n, k, device, args.smoke, args.sweep, consumer, fields)
+            r = case(m, n, k, device, args.smoke, args.sweep, feeds_norm=n == fields[
+                "hidden_size"] or name.startswith("30B"))
             row = {"shape": name, "M": m, "N": n, "K": k, **{
                 f"{key} us": v * 1e6 for key, v in r.items()
                 if key in ("bf16", "w8a16", "w8a16_best", "w8a8", "w8a8_quant", "w8a8_block",
                            "w8a8_block_quant", "act_quant", "w8a8_triton", "w8a8_triton_best",
-                           "w8a8_triton_partial", "consumer_partials_extra",
-                           "w8a8_triton_partial_best")
+                           "w8a8_triton_partial", "norm_partials_extra")
                 and v is not None}}
             if "w8a8_triton_tiles" in r:
                 row["w8a8 triton best tiles"] = " ".join(
                     f"{a}={b}" for a, b in r["w8a8_triton_tiles"].items())
-            if "partial_best_tiles" in r:
-                row["partial best tiles"] = " ".join(
-                    f"{a}={b}" for a, b in r["partial_best_tiles"].items())
             row["w8a8 triton vs emulation"] = r.get("w8a8_triton_vs_emulation")
             if "best_tiles" in r:
                 row["best tiles"] = " ".join(f"{a}={b}" for a, b in r["best_tiles"].items())
@@ -273,21 +233,19 @@ def main() -> None:
                     row["w8a8 triton best / bf16"] = r["bf16"] / r["w8a8_triton_best"]
                 if "w8a8_triton_partial" in r:
                     row["splits"] = r["splits"]
-                    row["w8a8 triton partial+consumer / bf16"] = r["bf16"] / (
-                        r["w8a8_triton_partial"] + r["consumer_partials_extra"])
+                    row["w8a8 triton partial+norm / bf16"] = r["bf16"] / (
+                        r["w8a8_triton_partial"] + r["norm_partials_extra"])
             if "w8a8_error" in r:
                 row["note"] = r["w8a8_error"]
             rows.append(row)
     cols = ["shape", "M", "N", "K", "bf16 us", "w8a16 us", "w8a16_best us", "w8a8 us",
             "w8a8_quant us", "w8a8_block us", "w8a8_block_quant us", "act_quant us",
             "w8a8_triton us", "w8a8_triton_best us", "w8a8 triton best tiles", "splits",
-            "w8a8_triton_partial us", "consumer_partials_extra us",
-            "w8a8_triton_partial_best us", "partial best tiles",
+            "w8a8_triton_partial us", "norm_partials_extra us",
             "roofline bf16 us", "roofline fp8 us", "w8a16 / bf16",
             "w8a16 best / bf16", "best tiles", "w8a8 / bf16",
             "w8a8+quant / bf16", "w8a8 block / bf16", "w8a8 block+quant / bf16",
-            "w8a8 triton / bf16", "w8a8 triton best / bf16",
-            "w8a8 triton partial+consumer / bf16",
+            "w8a8 triton / bf16", "w8a8 triton best / bf16", "w8a8 triton partial+norm / bf16",
             "w8a16 err",
             "w8a8 err", "w8a8 block err", "w8a8 block vs emulation", "w8a8 triton vs emulation",
             "note"]
@@ -302,13 +260,11 @@ def main() -> None:
              "and split-K for decode's skinny GEMMs) on pre-quantised activations; best: the "
              "fastest of BN in 32/64/128 x split 1/2/4 x 3/4 stages",
              "w8a8_triton_partial: the same kernel (default tiles) leaving its `splits` split-K "
-             "partials unsummed (`Partials`), as the engine runs its decode GEMMs; "
-             "consumer_partials_extra: what summing them costs the kernel after the GEMM (qkv: "
-             "q/k norm + rotary + cache write; o, down: RMSNorm with residual and FP8 output; "
-             "gate_up: SiLU with FP8 output): its time on the partials minus its time on their "
-             "bf16 sum; partial+consumer / bf16: BF16's GEMM over those two; "
-             "w8a8_triton_partial_best: the fastest partial launch of BN 32/64 x split 2/4/8 "
-             "(empty where no setting splits K)"]
+             "partials unsummed (`Partials`), as the engine runs o and down at decode; "
+             "norm_partials_extra: what summing them costs the RMSNorm that reads them (its time "
+             "on the partials minus its time on their bf16 sum, with residual and FP8 output); "
+             "partial+norm / bf16: BF16's GEMM over those two (rows of GEMMs that feed an "
+             "RMSNorm: hidden-sized outputs)"]
     if bw:
         notes.append(f"HBM copy bandwidth measured here: {bw:,.0f} GB/s")
     name = "fp8_gemm_sweep" if args.sweep else "fp8_gemm"

@@ -23,20 +23,15 @@ native configuration once per decode attention kernel, side by side; rows of a m
 `single` (the default) name it in the engine column, and vs_native_bf16 stays relative to native
 bf16 with the single-pass kernel.
 
-"native fp8 (partials into RMSNorms only)": the FP8-weight engine whose qkv and gate_up GEMMs
-sum their own output (cuBLAS's block-scaled GEMM), only o / down leaving split-K partials to the
-RMSNorm after them: the path before the q/k norm and the SiLU summed qkv's and gate_up's partials
-(`NativeQwen3.partials`); the same weights, side by side.
-
-Short calls are timed `--min-seconds` worth of times (at most 5) and the median reported
-(`runs`): a 0.25 s call varies by several % from one run to the next.
+"native fp8 (GEMM sums its split-K)": the FP8-weight engine with our split-K W8A8 kernel summing
+its partials itself (two more launches per o / down GEMM), the path before the RMSNorm after
+those GEMMs summed them (`kernels.Partials`); the same weights, side by side.
 
 Run: python -m bench.rollout
 """
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 
 import torch
@@ -70,21 +65,16 @@ def roofline_seconds(shape, weight_bytes: int, batch: int, prompt: int, new: int
     return t
 
 
-def run_native(engine, prompts, new: int, min_seconds: float = 0.0) -> tuple[float, int]:
-    """(median seconds of one generate call, calls timed): calls are repeated until
-    `min_seconds` have been timed, at most 5 times."""
+def run_native(engine, prompts, new: int) -> float:
     from rl.rollout.base import SamplingParams
     engine.generate(prompts, SamplingParams(max_new_tokens=3, seed=1))  # graphs, compiles
     sync()
-    times: list[float] = []
-    while not times or (sum(times) < min_seconds and len(times) < 5):
-        t0 = time.perf_counter()
-        out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new,
-                                                      seed=2))
-        sync()
-        times.append(time.perf_counter() - t0)
-        assert all(len(g[0].response_ids) == new for g in out), "a sequence stopped early"
-    return statistics.median(times), len(times)
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new, seed=2))
+    sync()
+    seconds = time.perf_counter() - t0
+    assert all(len(g[0].response_ids) == new for g in out), "a sequence stopped early"
+    return seconds
 
 
 def run_hf(model, prompts, new: int) -> float:
@@ -132,8 +122,6 @@ def main() -> None:
         p.add_argument("--hf-max-new", type=int, default=128),
         p.add_argument("--mem-fraction", type=float, default=0.85),
         p.add_argument("--overhead-gb", type=float, default=5.0),
-        p.add_argument("--min-seconds", type=float, default=1.5,
-                       help="time each native call until this many seconds (at most 5 calls)"),
         p.add_argument("--attention", default="single",
                        help="comma list of rollout.decode_attention modes or split counts")))
     gpu = not args.smoke
@@ -164,15 +152,11 @@ def main() -> None:
              "at that batch (1 = the single-pass kernel)",
              "vs_native_bf16: tokens/s over native bf16 (BF16 weights and KV cache) at the same "
              "model, batch and length",
-             "native fp8 (partials into RMSNorms only): qkv / gate_up on cuBLAS, summing "
-             "their own output; only o / down's split-K partials summed by the kernel after "
-             "them (the engine's default hands every decode GEMM's partials on)",
-             f"runs: generate calls timed (median reported): until {args.min_seconds:g} s, at "
-             "most 5",
+             "native fp8 (GEMM sums its split-K): o / down's split-K partials summed by the GEMM "
+             "(two launches each) instead of by the RMSNorm that reads them",
              "targets (0.6B, batch 256): native FP8 >= 4x HF generate; >= 35% of roofline; "
              "FP8 weights + FP8 KV >= 1.5x native bf16 at 1024 new tokens; ~2x max_seqs"]
-    columns = ["model", "engine", "attn_splits", "batch", "new_tokens", "runs", "seconds",
-               "tokens_per_s",
+    columns = ["model", "engine", "attn_splits", "batch", "new_tokens", "seconds", "tokens_per_s",
                "vs_HF", "vs_native_bf16", "roofline_tokens_per_s", "fraction_of_roofline",
                "weight_GB", "max_seqs", "cache_GB"]
     total_mem = (torch.cuda.get_device_properties(0).total_memory if gpu else 2 ** 30)
@@ -201,12 +185,11 @@ def main() -> None:
         state = full_state_for_engine(hf)
         prompts = {b: torch.randint(2, shape.vocab, (b, prompt_len), generator=g).tolist()
                    for b in batches}
-        # partials="norm": the FP8 engine with only o / down handing their split-K partials
-        # on, the path before qkv's and gate_up's did too (`NativeQwen3.partials`)
-        for quant, kv, partials in (("fp8", "auto", "all"), ("fp8", "auto", "norm"),
-                                    ("fp8", "fp8", "all"), ("hf", None, "all"),
-                                    ("none", "auto", "all"), ("none", "fp8", "all")):
-            fused = partials == "all"
+        # fused=False: the FP8 engine with our split-K GEMM summing its own partials, the
+        # path before the RMSNorm summed them (`NativeQwen3.fused_partials`), side by side
+        for quant, kv, fused in (("fp8", "auto", True), ("fp8", "auto", False),
+                                 ("fp8", "fp8", True), ("hf", None, True),
+                                 ("none", "auto", True), ("none", "fp8", True)):
             if quant == "hf":
                 hf_bytes = sum(t.numel() * t.element_size() for t in hf.parameters())
                 for b in batches:
@@ -233,23 +216,22 @@ def main() -> None:
                                                   dtype="bfloat16" if gpu else "float32")
                 engine.load_weights(state, version=1)
                 engine.model.fixed_splits = fixed
-                engine.model.partials = partials
+                engine.model.fused_partials = fused
                 wbytes = engine.model.weight_bytes()
                 kv_token = engine.model.cache_bytes(1) / cfg.max_model_len
                 name = "native " + ("fp8" if quant == "fp8" else "bf16") + (
                     " + fp8 kv" if kv == "fp8" else "") + (
-                    "" if fused else " (partials into RMSNorms only)") + (
+                    "" if fused else " (GEMM sums its split-K)") + (
                     f" ({fixed} splits)" if fixed is not None else
                     "" if mode == "single" else f" ({mode} attention)")
                 for b in batches:
                     splits = engine.model.attention_splits(_bucket(b, cfg.max_batch_size))
                     for new in news:
-                        secs, runs = run_native(engine, prompts[b], new,
-                                                args.min_seconds if gpu else 0.0)
+                        secs = run_native(engine, prompts[b], new)
                         roof = roofline_seconds(shape, wbytes, b, prompt_len, new, bw, peak,
                                                 kv_token)
                         save({"model": label, "engine": name, "attn_splits": splits,
-                              "batch": b, "new_tokens": new, "runs": runs, "seconds": secs,
+                              "batch": b, "new_tokens": new, "seconds": secs,
                               "tokens_per_s": b * new / secs,
                               "roofline_tokens_per_s": b * new / roof,
                               "fraction_of_roofline": roof / secs, "weight_GB": wbytes / 1e9})

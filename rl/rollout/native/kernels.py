@@ -11,8 +11,7 @@ Ops (shapes: B rows, NH query heads, NKV kv heads, D head dim, L cache length):
   a split-K GEMM's unsummed `Partials` (o / down at decode), summed on the way in.
 - `qk_norm_rope_cache(qkv (B, (NH+2NKV)*D), ...)`: per-head RMSNorm of q and k, rotary embedding
   at position `pos - start[b]`, q out as (B, NH, D); k and v written into the caches at slot `pos`
-  (FP8 caches: quantised on write, see `rl.rollout.native.kvcache`); qkv may be the qkv
-  GEMM's `Partials`. `qk_norm_rope_prefill`:
+  (FP8 caches: quantised on write, see `rl.rollout.native.kvcache`). `qk_norm_rope_prefill`:
   the same norm and rotary over every slot of a left-padded prefill, q / k / v out in
   attention layout (B, heads, P, D).
 - `decode_attention(q (B, NH, D), k_cache, v_cache (B, NKV, L, D), start (B,), pos (1,))`: one
@@ -21,7 +20,7 @@ Ops (shapes: B rows, NH query heads, NKV kv heads, D head dim, L cache length):
   weights. `splits` > 1: split-K (flash-decoding), each (row, kv head)'s context split over that
   many programs whose fp32 partials a second kernel combines; `decode_splits` picks the count
   from batch and context.
-- `silu_mul(x (M, 2I))`: `silu(x[:, :I]) * x[:, I:]`; x may be the gate_up GEMM's `Partials`.
+- `silu_mul(x (M, 2I))`: `silu(x[:, :I]) * x[:, I:]`.
 - `w8a16_linear(x (M, K), w (N, K), scale)`: `x @ deq(w).T` with block-FP8 weights (uint8 view of
   e4m3, fp32 128x128 block scales) dequantised in registers: the weight crosses HBM as 1 byte.
 - `grouped_linear(x (R, K), w (E, N, K), scale, offs (E+1,))`: rows offs[e]:offs[e+1] of x (sorted
@@ -142,18 +141,6 @@ if triton is not None:
     from rl.quant.fast_quant import quant_blocks, store_act_blocks, to_e4m3 as _to_e4m3
     from rl.rollout.native.kvcache import store_kv
 
-    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
-                  torch.float32: tl.float32}
-
-    @triton.jit
-    def _sum_parts(src, stride_part, splits, cols, mask, BLOCK_S: tl.constexpr):
-        """Sum over a split-K GEMM's fp32 partials (`Partials`) of src[cols]: one load of all
-        BLOCK_S >= splits partials, so they are read in parallel; fp32."""
-        part = tl.arange(0, BLOCK_S)
-        xs = tl.load(src + part[:, None] * stride_part + cols[None, :],
-                     mask=(part[:, None] < splits) & mask[None, :], other=0.0)
-        return tl.sum(xs, axis=0)
-
     @triton.jit
     def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, s_ptr, M, H, M_PAD, eps, splits,
                         HAS_RES: tl.constexpr, QUANT: tl.constexpr, PARTS: tl.constexpr,
@@ -168,8 +155,10 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_H)
         mask = cols < tl.where(row < M, H, 0)        # padding rows read as zeros
         if PARTS:
-            x = _sum_parts(x_ptr + row * H, M * H, splits, cols, mask, BLOCK_S).to(
-                h_ptr.dtype.element_ty)
+            part = tl.arange(0, BLOCK_S)
+            xs = tl.load(x_ptr + (part[:, None] * M + row) * H + cols[None, :],
+                         mask=(part[:, None] < splits) & mask[None, :], other=0.0)
+            x = tl.sum(xs, axis=0).to(h_ptr.dtype.element_ty)
             if not HAS_RES:
                 tl.store(h_ptr + row * H + cols, x, mask=mask)
         else:
@@ -199,30 +188,20 @@ if triton is not None:
     @triton.jit
     def _qk_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, start_ptr, pos_ptr,
                               q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, eps, stride_qkv, stride_cb,
-                              stride_ch, stride_vd, stride_eb, stride_eh, stride_part, splits,
-                              NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-                              HALF: tl.constexpr, FP8_KV: tl.constexpr, BLOCK_S: tl.constexpr):
-        """Row b, head h of qkv (B, (NH + 2 NKV) D): q / k RMSNorm + rotary, q out, k / v into
-        the cache at slot `pos`. BLOCK_S > 1: qkv is a split-K GEMM's fp32 partials (splits,
-        B, N) (stride_part apart), summed and rounded to q's dtype, as the GEMM's own reduction
-        would round them."""
+                              stride_ch, stride_vd, stride_eb, stride_eh, NH: tl.constexpr,
+                              NKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                              FP8_KV: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)  # b x cache stride can pass 2^31 for big caches
         h = tl.program_id(1)
         d = tl.arange(0, HALF)
         pos = tl.load(pos_ptr)
         position = tl.maximum(pos - tl.load(start_ptr + b), 0)
         src = qkv_ptr + b * stride_qkv + h * D
-        out_ty = q_ptr.dtype.element_ty
-        if BLOCK_S > 1:
-            x1 = _sum_parts(src, stride_part, splits, d, d < HALF, BLOCK_S)
-            x2 = _sum_parts(src + HALF, stride_part, splits, d, d < HALF, BLOCK_S)
-            x1 = x1.to(out_ty).to(tl.float32)
-            x2 = x2.to(out_ty).to(tl.float32)
-        else:
-            x1 = tl.load(src + d).to(tl.float32)
-            x2 = tl.load(src + HALF + d).to(tl.float32)
+        x1 = tl.load(src + d).to(tl.float32)
+        x2 = tl.load(src + HALF + d).to(tl.float32)
         c = tl.load(cos_ptr + position * HALF + d)
         s = tl.load(sin_ptr + position * HALF + d)
+        out_ty = q_ptr.dtype.element_ty
         if h < NH:
             y1, y2 = _head_norm_rope(x1, x2, qn_ptr, c, s, eps, D, HALF)
             dst = q_ptr + (b * NH + h) * D
@@ -569,26 +548,18 @@ if triton is not None:
         tl.store(lp_ptr + row, tl.load(x_ptr + row * stride + tok).to(tl.float32) - lse)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, y_ptr, s_ptr, M, I, M_PAD, splits, BLOCK: tl.constexpr,
-                         QUANT: tl.constexpr, EXACT: tl.constexpr, DTYPE: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, y_ptr, s_ptr, M, I, M_PAD, BLOCK: tl.constexpr,
+                         QUANT: tl.constexpr, EXACT: tl.constexpr):
         """Columns [c * BLOCK, (c + 1) * BLOCK) of row `row`; QUANT: as 1x128 e4m3 blocks
-        (BLOCK a multiple of 128) with column-major scales, like `_rmsnorm_kernel`. DTYPE: the
-        activations' dtype. BLOCK_S > 1: x is a split-K GEMM's fp32 partials (splits, M, 2I),
-        summed and rounded to DTYPE (as the GEMM's own reduction would round them)."""
+        (BLOCK a multiple of 128) with column-major scales, like `_rmsnorm_kernel`."""
         row = tl.program_id(0).to(tl.int64)
         c0 = tl.program_id(1) * BLOCK
         cols = c0 + tl.arange(0, BLOCK)
         mask = cols < tl.where(row < M, I, 0)
-        if BLOCK_S > 1:
-            src = x_ptr + row * 2 * I
-            gate = _sum_parts(src, M * 2 * I, splits, cols, mask, BLOCK_S).to(DTYPE)
-            up = _sum_parts(src + I, M * 2 * I, splits, cols, mask, BLOCK_S).to(DTYPE)
-        else:
-            gate = tl.load(x_ptr + row * 2 * I + cols, mask=mask, other=0.0)
-            up = tl.load(x_ptr + row * 2 * I + I + cols, mask=mask, other=0.0)
+        gate = tl.load(x_ptr + row * 2 * I + cols, mask=mask, other=0.0)
+        up = tl.load(x_ptr + row * 2 * I + I + cols, mask=mask, other=0.0).to(tl.float32)
         g = gate.to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(DTYPE)
+        y = (g / (1.0 + tl.exp(-g)) * up).to(gate.dtype)
         if QUANT:
             store_act_blocks(y.to(tl.float32), y_ptr + c0, s_ptr + c0 // 128 * M_PAD, row, I,
                              I - c0, M_PAD, BLOCK // 128, EXACT)
@@ -679,9 +650,8 @@ if triton is not None:
 @dataclass(frozen=True, slots=True)
 class Partials:
     """A split-K GEMM's output left unsummed: `parts` (splits, M, N) fp32, whose sum rounded to
-    `dtype` is the product. The decode step's consumers take it and sum it on the way in
-    (`rmsnorm` after o_proj / down_proj, `qk_norm_rope_cache` after qkv, `silu_mul` after
-    gate_up), so a split-K GEMM spends no launches on its reduction."""
+    `dtype` is the product. `rmsnorm` takes it as its x and sums it on the way in, so the GEMMs
+    that feed a residual add (o_proj, down_proj) spend no launches on their reduction."""
     parts: torch.Tensor
     dtype: torch.dtype
 
@@ -717,7 +687,7 @@ def rmsnorm(x: torch.Tensor | Partials, w: torch.Tensor, eps: float,
     return (QuantAct(y.view(torch.float8_e4m3fn), sc.t(), m) if quant else y), h
 
 
-def qk_norm_rope_cache(qkv: torch.Tensor | Partials, qn_w: torch.Tensor, kn_w: torch.Tensor,
+def qk_norm_rope_cache(qkv: torch.Tensor, qn_w: torch.Tensor, kn_w: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor,
                        pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        nh: int, nkv: int, eps: float, impl: str = "torch",
@@ -725,25 +695,20 @@ def qk_norm_rope_cache(qkv: torch.Tensor | Partials, qn_w: torch.Tensor, kn_w: t
                        ) -> torch.Tensor:
     """q (B, NH, D); writes k, v of every row into slot `pos` of k_cache / v_cache (B', NKV, L, D).
     FP8 caches (e4m3) come with their scale exponents k_exp / v_exp (B', NKV, L) uint8, and
-    v_cache transposed: (B', NKV, D, L). qkv may be the qkv GEMM's split-K `Partials`, summed
-    in the same kernel."""
+    v_cache transposed: (B', NKV, D, L)."""
     if impl == "torch":
-        return _qk_torch(qkv.sum() if isinstance(qkv, Partials) else qkv, qn_w, kn_w, cos, sin,
-                         start, pos, k_cache, v_cache, nh, nkv, eps, k_exp, v_exp)
-    parts = qkv.parts if isinstance(qkv, Partials) else None
-    xs, dtype = (parts, qkv.dtype) if parts is not None else (qkv, qkv.dtype)
-    b = xs.shape[-2]
+        return _qk_torch(qkv, qn_w, kn_w, cos, sin, start, pos, k_cache, v_cache, nh, nkv, eps,
+                         k_exp, v_exp)
+    b = qkv.shape[0]
     d = qn_w.shape[0]
-    q = torch.empty(b, nh, d, dtype=dtype, device=xs.device)
+    q = torch.empty(b, nh, d, dtype=qkv.dtype, device=qkv.device)
     fp8 = k_exp is not None
     kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
     ke, ve = (k_exp, v_exp) if fp8 else (kc, vc)
     _qk_rope_cache_kernel[(b, nh + 2 * nkv)](
-        xs, qn_w, kn_w, cos, sin, start, pos, q, kc, vc, ke, ve, eps, xs.stride(-2),
+        qkv, qn_w, kn_w, cos, sin, start, pos, q, kc, vc, ke, ve, eps, qkv.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(2), ke.stride(0), ke.stride(1),
-        xs.stride(0) if parts is not None else 0, xs.shape[0] if parts is not None else 1,
-        NH=nh, NKV=nkv, D=d, HALF=d // 2, FP8_KV=fp8,
-        BLOCK_S=_next_pow2(xs.shape[0]) if parts is not None else 1)
+        NH=nh, NKV=nkv, D=d, HALF=d // 2, FP8_KV=fp8)
     return q
 
 
@@ -893,29 +858,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return quantize_act_fast(out.view(b, nh * d), 4, impl) if quant_out else out
 
 
-def silu_mul(x: torch.Tensor | Partials, impl: str = "torch", quant: bool = False
+def silu_mul(x: torch.Tensor, impl: str = "torch", quant: bool = False
              ) -> torch.Tensor | QuantAct:
     """(M, 2I) -> (M, I): silu(gate) * up, gate and up fused as HF's gate_up layout. `quant`:
-    as `rmsnorm`'s, the output quantised for the block-scaled GEMM in the same kernel. x may
-    be the gate_up GEMM's split-K `Partials`, summed in the same kernel."""
+    as `rmsnorm`'s, the output quantised for the block-scaled GEMM in the same kernel."""
+    half = x.shape[-1] // 2
     if impl == "torch":
-        x = x.sum() if isinstance(x, Partials) else x
-        half = x.shape[-1] // 2
         x32 = x.float()
         y = (torch.nn.functional.silu(x32[:, :half]) * x32[:, half:]).to(x.dtype)
         return quantize_act_fast(y, 4, "torch") if quant else y
-    parts = isinstance(x, Partials)
-    xs, dtype = (x.parts, x.dtype) if parts else (x, x.dtype)
-    m, half = xs.shape[-2], xs.shape[-1] // 2
+    m = x.shape[0]
     block = min(1024, max(DEFAULT_BLOCK, _next_pow2(half)))
     if quant:
-        y, sc, m_pad = act_buffers(m, half, xs.device, 4)
+        y, sc, m_pad = act_buffers(m, half, x.device, 4)
     else:
-        y, sc, m_pad = torch.empty(m, half, dtype=dtype, device=xs.device), xs, m
-    _silu_mul_kernel[(m_pad, triton.cdiv(half, block))](
-        xs, y, sc, m, half, m_pad, xs.shape[0] if parts else 1, BLOCK=block, QUANT=quant,
-        EXACT=_INTERPRETED, DTYPE=_TL_DTYPES[dtype],
-        BLOCK_S=_next_pow2(xs.shape[0]) if parts else 1)
+        y, sc, m_pad = torch.empty(m, half, dtype=x.dtype, device=x.device), x, m
+    _silu_mul_kernel[(m_pad, triton.cdiv(half, block))](x, y, sc, m, half, m_pad, BLOCK=block,
+                                                         QUANT=quant, EXACT=_INTERPRETED)
     return QuantAct(y.view(torch.float8_e4m3fn), sc.t(), m) if quant else y
 
 

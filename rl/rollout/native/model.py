@@ -103,12 +103,12 @@ def attention_settings(fp8_kv: bool) -> dict:
 
 
 # Which W8A8 kernel a GEMM takes, from bench/results/fp8_gemm.md (H200):
-# ours (`kernels.w8a8_triton`, split-K) for skinny GEMMs, where it beats cuBLAS's block-scaled
-# GEMM: up to W8A8_TRITON_ROWS rows summing its own partials when K >= W8A8_TRITON_MIN_K (o and
-# down at 64 rows: 7.6 vs 8.8 us, 9.6 vs 11.5); up to W8A8_PARTIAL_ROWS at any K when it splits
-# K and the kernel after it sums the partials (`Partials`; o and down at 256 rows: 5.9 + 0.4
-# vs 9.1, 7.8 + 0.4 vs 11.8; unsplit, as a 30B-sized 4096 x 8192 at 256 rows, cuBLAS's 26 us
-# beat its 52); cuBLAS's everywhere else (prefill, and K = 1,024 GEMMs that sum themselves).
+# ours (`kernels.w8a8_triton`, split-K) for skinny GEMMs with a long K, where it beats cuBLAS's
+# block-scaled GEMM: up to W8A8_TRITON_ROWS rows summing its own partials (o and down at 64
+# rows: 7.6 vs 8.8 us, 9.6 vs 11.5), up to W8A8_PARTIAL_ROWS when it splits K and the RMSNorm
+# after it sums the partials (`Partials`; o and down at 256 rows: 5.9 + 0.4 vs 9.1, 7.8 + 0.4
+# vs 11.8; unsplit, as a 30B-sized 4096 x 8192 at 256 rows, cuBLAS's 26 us beat its 52);
+# cuBLAS's everywhere else (it wins at K = 1024 and for prefill).
 W8A8_TRITON_ROWS = 64
 W8A8_PARTIAL_ROWS = 256
 W8A8_TRITON_MIN_K = 2048
@@ -117,8 +117,8 @@ W8A8_TRITON_MIN_K = 2048
 def w8a8_kernel(rows: int, n: int, k: int, partial: bool) -> str:
     """"triton" or "cublas": the W8A8 GEMM "auto" picks for `rows` x (n, k)^T, by the rule
     above; `partial`: the caller takes `kernels.Partials`."""
-    ours = (partial and rows <= W8A8_PARTIAL_ROWS and K.w8a8_triton_splits(rows, n, k) > 1) or (
-        k >= W8A8_TRITON_MIN_K and rows <= W8A8_TRITON_ROWS)
+    ours = k >= W8A8_TRITON_MIN_K and (rows <= W8A8_TRITON_ROWS or (
+        partial and rows <= W8A8_PARTIAL_ROWS and K.w8a8_triton_splits(rows, n, k) > 1))
     return "triton" if ours else "cublas"
 
 
@@ -137,14 +137,12 @@ class NativeQwen3:
         """Tests: the FP8-cache attention's (QK, PV) e4m3 products (None: the kernel's choice)."""
         self.fp8_gemm = "auto"
         """FP8 weights' GEMM: "auto" = W8A8 where `kernels.w8a8_supported` (our Triton kernel
-        by `w8a8_kernel`'s rule: skinny GEMMs with a long K, and split-K GEMMs at decode whose
-        consumer sums the partials; else cuBLAS's), else W8A16; tests and benchmarks pin
+        when K >= `W8A8_TRITON_MIN_K` up to `W8A8_TRITON_ROWS` rows, or `W8A8_PARTIAL_ROWS`
+        for a split-K o / down at decode; else cuBLAS's), else W8A16; tests and benchmarks pin
         "cublas" or "triton" (W8A8 on that kernel) or "w8a16"."""
-        self.partials = "all"
-        """Which decode GEMMs may hand their split-K partials to the kernel after them
-        (`linear`'s `partial`): "all" (qkv -> `qk_norm_rope_cache`, gate_up -> `silu_mul`,
-        o / down -> `rmsnorm`), "norm" (o / down only), "none" (every GEMM sums its own);
-        benchmarks set the others to measure them side by side."""
+        self.fused_partials = True
+        """Decode hands split-K partials of o / down to the RMSNorm after them (`linear`'s
+        `partial`); benchmarks set False to measure the GEMM's own reduction instead."""
         self.fp8, self.kv_fp8 = fp8, kv_fp8
         self.routes: dict[int, torch.Tensor] = {}
         """MoE layer -> (T, top_k) expert ids of the last forward through it."""
@@ -320,8 +318,7 @@ class NativeQwen3:
         # inputs mostly arrive quantised by the kernel that produced them.
         if isinstance(x, QuantAct) or self.w8a8(key):
             gemm = self.fp8_gemm
-            partial = partial and (self.partials == "all" or self.partials == "norm" and
-                                   key.rsplit(".", 1)[-1] in ("o", "down"))
+            partial = partial and self.fused_partials
             if gemm == "auto":
                 gemm = w8a8_kernel(x.rows if isinstance(x, QuantAct) else x.shape[0],
                                    *slot.w.shape, partial)
@@ -337,8 +334,7 @@ class NativeQwen3:
         """x (T, H) -> (T, H): dense SwiGLU or top-k MoE. `partial`: as `linear`'s."""
         p = f"layers.{i}."
         if not self.s.is_moe[i]:
-            act = K.silu_mul(self.linear(x, p + "gate_up", partial), self.impl,
-                             quant=self.w8a8(p + "down"))
+            act = K.silu_mul(self.linear(x, p + "gate_up"), self.impl, quant=self.w8a8(p + "down"))
             return self.linear(act, p + "down", partial)
         return self.moe(x, i)
 
@@ -442,8 +438,7 @@ class NativeQwen3:
             p = f"layers.{i}."
             h, resid = K.rmsnorm(x, self.tensors[p + "ln1"], s.eps, resid, impl,
                                  quant=self.w8a8(p + "qkv"))
-            # every decode GEMM's consumer sums its split-K partials as it reads them
-            qkv = self.linear(h, p + "qkv", partial=True)
+            qkv = self.linear(h, p + "qkv")
             kc, vc, ke, ve = self.cache.layer(i)
             q = K.qk_norm_rope_cache(qkv, self.tensors[p + "q_norm"], self.tensors[p + "k_norm"],
                                      self.cos, self.sin, start, pos, kc, vc, s.nh, s.nkv, s.eps,
@@ -451,6 +446,7 @@ class NativeQwen3:
             quant = self.w8a8(p + "o")  # then the kernel hands over the o GEMM's FP8 input
             a = K.decode_attention(q, kc, vc, start, pos, s.head_dim ** -0.5, impl, k_exp=ke,
                                    v_exp=ve, splits=splits, quant_out=quant, **attn)
+            # o and down feed RMSNorms, which sum a split-K GEMM's partials as they read them
             o = self.linear(a if quant else a.view(b, s.nh * s.head_dim), p + "o", partial=True)
             # a dense layer's norm feeds one W8A8 GEMM; an MoE layer's also feeds its router
             h, resid = K.rmsnorm(o, self.tensors[p + "ln2"], s.eps, resid, impl,

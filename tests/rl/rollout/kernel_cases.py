@@ -336,42 +336,6 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
                 close(f"{tag} y", got_y, ref_y, 2e-3 * tl_scale)
             torch_h = K.rmsnorm(parts, wn, 1e-6, res, "torch")[1]
             close(f"{tag} torch path h", torch_h, ref_h, 1e-3 * tl_scale)
-    # The qkv and gate_up GEMMs' Partials (3 splits) summed by the kernels after them: the
-    # same q, cache bytes and SiLU output as those kernels on the rounded sum.
-    pq = K.Partials(r(3, b, (nh + 2 * nkv) * d), DT)
-    for kv in ("bf16", "fp8"):
-        outs = []
-        for x_ in (pq, pq.sum()):
-            if kv == "bf16":
-                cs = [c.clone() for c in caches]
-                q_ = K.qk_norm_rope_cache(x_, qn, kn, cos, sin, start, pos, *cs, nh, nkv, 1e-6,
-                                          "triton")
-                outs.append((q_, cs[0][:b, :, int(pos)], cs[1][:b, :, int(pos)]))
-            else:
-                cs = [[t.clone() for t in pair] for pair in f8_ref]
-                q_ = K.qk_norm_rope_cache(x_, qn, kn, cos, sin, start, pos8, cs[0][0], cs[1][0],
-                                          nh, nkv, 1e-6, "triton", cs[0][1], cs[1][1])
-                slot = (slice(None, b), slice(None), int(pos8))
-                outs.append((q_, dequantize_kv(cs[0][0][slot], cs[0][1][slot]),
-                             dequantize_kv(cs[1][0].transpose(-1, -2)[slot], cs[1][1][slot])))
-        assert outs[0][0].dtype == DT and outs[0][0].shape == (b, nh, d)
-        for name, got_, ref_ in zip("qkv", outs[0], outs[1]):
-            close(f"qk rope (Partials) {kv} {name}", got_, ref_, 1e-3 * tl_scale)
-    torch_q = K.qk_norm_rope_cache(pq, qn, kn, cos, sin, start, pos,
-                                   *[c.clone() for c in caches], nh, nkv, 1e-6, "torch")
-    close("qk rope (Partials) torch path q", torch_q,
-          K.qk_norm_rope_cache(pq.sum(), qn, kn, cos, sin, start, pos,
-                               *[c.clone() for c in caches], nh, nkv, 1e-6, "torch"), 1e-6)
-    pg = K.Partials(r(3, 6, 2 * 384), DT)
-    for quant in (False, True):
-        got_ = K.silu_mul(pg, "triton", quant=quant)
-        if quant:
-            same_quant("silu_mul(Partials)+quant", got_, K.silu_mul(pg.sum(), "torch"))
-        else:
-            assert got_.dtype == DT and got_.shape == (6, 384)
-            close("silu_mul(Partials)", got_, K.silu_mul(pg.sum(), "triton"), 1e-3 * tl_scale)
-    close("silu_mul(Partials) torch path", K.silu_mul(pg, "torch"), K.silu_mul(pg.sum(), "torch"),
-          1e-6)
     if K.w8a8_supported(256, 512, torch.device(device)):   # Hopper, CUDA 12.9+ (GPU run)
         w8, sc = quantize_weight_block(r(256, 512))
         for m in (64, 7):                                      # 7 rows: padded to 8 inside

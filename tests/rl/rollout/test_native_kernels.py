@@ -50,27 +50,19 @@ def test_decode_splits_fill_the_gpu_only_when_rows_x_heads_do_not():
     assert counts == sorted(counts) and counts[0] == 1 and counts[-1] == MAX_SPLITS
 
 
-def test_w8a8_auto_takes_our_split_k_kernel_where_the_next_kernel_sums_its_partials():
+def test_w8a8_auto_takes_our_split_k_kernel_where_the_rmsnorm_sums_its_partials():
     """The FP8 engine's "auto" GEMM choice (bench/results/fp8_gemm.md, H200): ours for long-K
-    GEMMs up to 64 rows; up to 256 rows for a decode GEMM whose split-K partials the next
-    kernel sums (RMSNorm, q/k norm, SiLU), but only while the launch splits K; cuBLAS's
-    otherwise."""
+    GEMMs up to 64 rows; up to 256 rows for o / down at decode, whose split-K partials the next
+    RMSNorm sums, but only while the launch splits K; cuBLAS's otherwise."""
     from rl.rollout.native.kernels import w8a8_triton_splits
     from rl.rollout.native.model import w8a8_kernel
 
-    o, down, big = (1024, 2048), (1024, 3072), (4096, 8192)  # (N, K)
-    qkv, gate_up = (4096, 1024), (6144, 1024)
+    o, down, qkv, big = (1024, 2048), (1024, 3072), (4096, 1024), (4096, 8192)  # (N, K)
     assert [w8a8_triton_splits(r, *o) for r in (64, 256)] == [8, 4]
-    assert [w8a8_triton_splits(r, *qkv) for r in (64, 128, 256)] == [4, 2, 1]
-    assert [w8a8_triton_splits(r, *gate_up) for r in (64, 128)] == [2, 1]
     assert w8a8_triton_splits(256, *big) == 1          # 4 x 64 output tiles fill 132 SMs
     for rows in (1, 16, 64):
         assert w8a8_kernel(rows, *o, partial=False) == "triton"
-        assert w8a8_kernel(rows, *qkv, partial=False) == "cublas"     # K = 1,024, summed here
-        assert w8a8_kernel(rows, *qkv, partial=True) == "triton"
-        assert w8a8_kernel(rows, *gate_up, partial=True) == "triton"
-    assert w8a8_kernel(128, *gate_up, partial=True) == "cublas"     # no split: no partials
-    assert w8a8_kernel(256, *qkv, partial=True) == "cublas"
+        assert w8a8_kernel(rows, *qkv, partial=True) == "cublas"      # K = 1,024
     for rows in (128, 256):
         assert w8a8_kernel(rows, *down, partial=True) == "triton"
         assert w8a8_kernel(rows, *down, partial=False) == "cublas"   # would sum them itself
