@@ -174,9 +174,6 @@ def case(m: int, n: int, k: int, device: str, smoke: bool, do_sweep: bool = Fals
                 out["splits"] = part.parts.shape[0]
                 out["w8a8_triton_partial"] = time_cuda(lambda: K.w8a8_triton(
                     xq8, wq[(j := next(it) % rot)], ws[j], partial=True))
-                # the same launch on the bf16 input, quantised as the kernel loads it
-                out["w8a8_triton_partial_qin"] = time_cuda(lambda: K.w8a8_triton(
-                    x, wq[(j := next(it) % rot)], ws[j], partial=True))
                 res, wn = torch.randn_like(tri).bfloat16(), torch.ones(n, device=device,
                                                                        dtype=torch.bfloat16)
                 summed = part.sum()
@@ -207,8 +204,7 @@ def main() -> None:
                 f"{key} us": v * 1e6 for key, v in r.items()
                 if key in ("bf16", "w8a16", "w8a16_best", "w8a8", "w8a8_quant", "w8a8_block",
                            "w8a8_block_quant", "act_quant", "w8a8_triton", "w8a8_triton_best",
-                           "w8a8_triton_partial", "w8a8_triton_partial_qin",
-                           "norm_partials_extra")
+                           "w8a8_triton_partial", "norm_partials_extra")
                 and v is not None}}
             if "w8a8_triton_tiles" in r:
                 row["w8a8 triton best tiles"] = " ".join(
@@ -245,7 +241,7 @@ def main() -> None:
     cols = ["shape", "M", "N", "K", "bf16 us", "w8a16 us", "w8a16_best us", "w8a8 us",
             "w8a8_quant us", "w8a8_block us", "w8a8_block_quant us", "act_quant us",
             "w8a8_triton us", "w8a8_triton_best us", "w8a8 triton best tiles", "splits",
-            "w8a8_triton_partial us", "w8a8_triton_partial_qin us", "norm_partials_extra us",
+            "w8a8_triton_partial us", "norm_partials_extra us",
             "roofline bf16 us", "roofline fp8 us", "w8a16 / bf16",
             "w8a16 best / bf16", "best tiles", "w8a8 / bf16",
             "w8a8+quant / bf16", "w8a8 block / bf16", "w8a8 block+quant / bf16",
@@ -268,9 +264,7 @@ def main() -> None:
              "norm_partials_extra: what summing them costs the RMSNorm that reads them (its time "
              "on the partials minus its time on their bf16 sum, with residual and FP8 output); "
              "partial+norm / bf16: BF16's GEMM over those two (rows of GEMMs that feed an "
-             "RMSNorm: hidden-sized outputs); w8a8_triton_partial_qin: that launch on the bf16 "
-             "activation, quantised by the kernel as it loads it (the engine's decode path for "
-             "o and down: the attention and the SiLU before them then write plain bf16)"]
+             "RMSNorm: hidden-sized outputs)"]
     if bw:
         notes.append(f"HBM copy bandwidth measured here: {bw:,.0f} GB/s")
     name = "fp8_gemm_sweep" if args.sweep else "fp8_gemm"

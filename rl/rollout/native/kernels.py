@@ -603,14 +603,11 @@ if triton is not None:
 
     @triton.jit
     def _w8a8_kernel(x_ptr, sx_ptr, w_ptr, s_ptr, y_ptr, M, N, K, M_PAD, stride_sn, k_per_split,
-                     BM: tl.constexpr, BN: tl.constexpr, QIN: tl.constexpr,
-                     EXACT: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr):
         """y[ks] (BM, BN) tile = sum over this split's 128-wide K blocks of
         (x8 @ w8.T) * sx[row, kb] * sw[n block, kb]: e4m3 x e4m3 products on the tensor cores
         (wgmma on Hopper), x8 (M_PAD, K) with column-major scales sx (G, M_PAD), w8 (N, K)
-        with 128x128 block scales; split-K partials in fp32, summed outside. QIN: x is the
-        bf16 / fp16 activation (M, K), quantised here as each 1x128 block is loaded, by the
-        activation quantiser's own formula (`quant_blocks`: the same bytes and scales)."""
+        with 128x128 block scales; split-K partials in fp32, summed outside."""
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         ks = tl.program_id(2)
@@ -623,12 +620,9 @@ if triton is not None:
                         mask=(rm[:, None] < M) & (rk[None, :] < K), other=0)
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :],
                         mask=(rn[:, None] < N) & (rk[None, :] < K), other=0)
-            if QIN:
-                a, sa = quant_blocks(a.to(tl.float32), 1, EXACT)
-            else:
-                sa = tl.load(sx_ptr + (k0 // 128) * M_PAD + rm, mask=rm < M, other=0.0)
             part = tl.dot(a.to(tl.float8e4nv, bitcast=True),
                           tl.trans(w.to(tl.float8e4nv, bitcast=True)))
+            sa = tl.load(sx_ptr + (k0 // 128) * M_PAD + rm, mask=rm < M, other=0.0)
             sb = tl.load(s_ptr + (rn // 128) * stride_sn + k0 // 128, mask=rn < N, other=0.0)
             acc += part * sa[:, None] * sb[None, :]
         tl.store(y_ptr + ks * M * N + rm[:, None] * N + rn[None, :],
@@ -959,33 +953,24 @@ def w8a8_triton_splits(m: int, n: int, k: int) -> int:
     return _split_k(m, n, triton.cdiv(k, DEFAULT_BLOCK), *_w8a8_tiles(m, {}), {})[0]
 
 
-def w8a8_triton(act: QuantAct | torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+def w8a8_triton(act: QuantAct, w: torch.Tensor, scale: torch.Tensor,
                 out_dtype: torch.dtype = torch.bfloat16, tiles: dict | None = None,
                 partial: bool = False) -> torch.Tensor | Partials:
-    """`act` @ deq(w (N, K)).T -> (rows, N): the W8A8 product of `w8a8_linear` in our own
+    """`act` @ deq(w (N, K)).T -> (act.rows, N): the W8A8 product of `w8a8_linear` in our own
     Triton kernel instead of cuBLAS's, with the W8A16 kernel's skinny-GEMM tiling (narrow tiles
-    and split-K so decode's few output tiles fill the GPU). `act`: a `QuantAct`, or the bf16 /
-    fp16 activation (M, K), which the kernel quantises in 1x128 blocks as it loads them (the
-    same bytes and scales as `quantize_act_fast`; no quantiser launch, and the kernel before
-    need not quantise). `tiles` overrides BM, BN, split, num_warps, num_stages
-    (`bench.fp8_gemm` measures them). `partial`: a split-K launch returns its `Partials` for
-    the consuming `rmsnorm` to sum (no reduction launches here)."""
-    qin = not isinstance(act, QuantAct)
-    if qin:
-        x = act.contiguous()
-        (m, k), x_q, x_s, m_pad = x.shape, x, x, x.shape[0]
-    else:
-        m, k, x_q, x_s, m_pad = act.rows, act.q.shape[1], act.q.view(torch.uint8), act.scale, \
-            act.q.shape[0]
+    and split-K so decode's few output tiles fill the GPU). `tiles` overrides BM, BN, split,
+    num_warps, num_stages (`bench.fp8_gemm` measures them). `partial`: a split-K launch returns
+    its `Partials` for the consuming `rmsnorm` to sum (no reduction launches here)."""
+    m, k = act.rows, act.q.shape[1]
     n = w.shape[0]
     t = tiles or {}
     bm, bn = _w8a8_tiles(m, t)
     split, per = _split_k(m, n, triton.cdiv(k, DEFAULT_BLOCK), bm, bn, t)
-    y = _partials(split, m, n, out_dtype, w.device)
+    y = _partials(split, m, n, out_dtype, act.q.device)
     launch = {key: t[key] for key in ("num_warps", "num_stages") if key in t}
     _w8a8_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-        x_q, x_s, w, scale, y, m, n, k, m_pad, scale.stride(0), per * DEFAULT_BLOCK, BM=bm,
-        BN=bn, QIN=qin, EXACT=_INTERPRETED, **launch)
+        act.q.view(torch.uint8), act.scale, w, scale, y, m, n, k, act.q.shape[0],
+        scale.stride(0), per * DEFAULT_BLOCK, BM=bm, BN=bn, **launch)
     if split == 1:
         return y
     parts = Partials(y, out_dtype)
@@ -1001,8 +986,7 @@ def w8a8_linear(x: torch.Tensor | QuantAct, w: torch.Tensor, scale: torch.Tensor
     K / 128)) on `rl.quant.backends`' block-scaled GEMM (see `w8a8_supported`), or with
     gemm="triton" on `w8a8_triton`. The torch path emulates it (dequantised operands, fp32
     product). Out: x's dtype (a `QuantAct`: out_dtype, default bf16). `partial`: see
-    `w8a8_triton` (the other paths return the product). With gemm="triton" an unquantised x
-    is quantised by the GEMM kernel as it loads it."""
+    `w8a8_triton` (the other paths return the product)."""
     w8 = w.view(torch.float8_e4m3fn)
     if isinstance(x, QuantAct):
         out_dtype = out_dtype or torch.bfloat16
@@ -1013,8 +997,8 @@ def w8a8_linear(x: torch.Tensor | QuantAct, w: torch.Tensor, scale: torch.Tensor
         if gemm == "triton":
             return w8a8_triton(x, w, scale, out_dtype, partial=partial)
         return block_scaled_mm(x, w8, scale, out_dtype)
-    if impl != "torch" and gemm == "triton":   # quantised as the kernel loads it
-        return w8a8_triton(x, w, scale, out_dtype or x.dtype, partial=partial)
+    if impl != "torch" and gemm == "triton":
+        return w8a8_triton(quantize_act_fast(x, 4, impl), w, scale, out_dtype or x.dtype)
     return fp8_linear(x, w8, scale, backend="cuda" if impl != "torch" else "torch",
                       act_quant=True, out_dtype=out_dtype)
 

@@ -143,10 +143,6 @@ class NativeQwen3:
         self.fused_partials = True
         """Decode hands split-K partials of o / down to the RMSNorm after them (`linear`'s
         `partial`); benchmarks set False to measure the GEMM's own reduction instead."""
-        self.quant_on_load = True
-        """A W8A8 GEMM on our kernel takes its input in bf16 and quantises it as it loads it
-        (`kernels.w8a8_triton`), so the kernel before it (the attention, the SiLU) writes
-        plain bf16; False: that kernel quantises (the path before; benchmarks compare)."""
         self.fp8, self.kv_fp8 = fp8, kv_fp8
         self.routes: dict[int, torch.Tensor] = {}
         """MoE layer -> (T, top_k) expert ids of the last forward through it."""
@@ -309,20 +305,6 @@ class NativeQwen3:
         return (slot.fp8 and self.impl == "triton" and self.fp8_gemm != "w8a16"
                 and K.w8a8_supported(*slot.w.shape, self.device))
 
-    def gemm(self, key: str, rows: int, partial: bool = False) -> str:
-        """The W8A8 kernel linear `key` runs on at `rows` ("triton": ours, "cublas"), by
-        `fp8_gemm` ("auto": `w8a8_kernel`'s rule); `partial` as `linear`'s."""
-        if self.fp8_gemm != "auto":
-            return self.fp8_gemm
-        return w8a8_kernel(rows, *self.linears[key].w.shape, partial and self.fused_partials)
-
-    def quant_input(self, key: str, rows: int, partial: bool = False) -> bool:
-        """Whether the kernel producing linear `key`'s input (RMSNorm, SiLU, the attention)
-        hands it quantised (`QuantAct`): for a W8A8 GEMM, unless it runs on our kernel, which
-        quantises a bf16 input as it loads it (`quant_on_load`)."""
-        return self.w8a8(key) and not (self.quant_on_load and
-                                       self.gemm(key, rows, partial) == "triton")
-
     def linear(self, x: torch.Tensor | QuantAct, key: str, partial: bool = False
                ) -> torch.Tensor | K.Partials:
         """x @ W(key).T. `partial`: the caller sums a split-K product itself (it hands the
@@ -333,12 +315,15 @@ class NativeQwen3:
         # W8A8 (activations in e4m3 1x128 blocks, a block-scaled FP8 GEMM) at every row count,
         # so that prefill, scoring and decode round alike: at Qwen3-0.6B's decode shapes on an
         # H200 it beats our W8A16 kernel everywhere (bench/results/fp8_gemm.md), and decode's
-        # inputs arrive quantised by the kernel that produced them (cuBLAS) or are quantised
-        # by our kernel as it loads them, with the same formula.
+        # inputs mostly arrive quantised by the kernel that produced them.
         if isinstance(x, QuantAct) or self.w8a8(key):
-            gemm = self.gemm(key, x.rows if isinstance(x, QuantAct) else x.shape[0], partial)
+            gemm = self.fp8_gemm
+            partial = partial and self.fused_partials
+            if gemm == "auto":
+                gemm = w8a8_kernel(x.rows if isinstance(x, QuantAct) else x.shape[0],
+                                   *slot.w.shape, partial)
             return K.w8a8_linear(x, slot.w, slot.scale, impl=self.impl, out_dtype=self.dtype,
-                                 gemm=gemm, partial=partial and self.fused_partials)
+                                 gemm=gemm, partial=partial)
         if self.impl == "triton" and x.shape[0] <= _DEQUANT_ROWS:
             return K.w8a16_linear(x, slot.w, slot.scale, impl="triton")
         if self.impl == "triton":
@@ -349,8 +334,7 @@ class NativeQwen3:
         """x (T, H) -> (T, H): dense SwiGLU or top-k MoE. `partial`: as `linear`'s."""
         p = f"layers.{i}."
         if not self.s.is_moe[i]:
-            act = K.silu_mul(self.linear(x, p + "gate_up"), self.impl,
-                             quant=self.quant_input(p + "down", x.shape[0], partial))
+            act = K.silu_mul(self.linear(x, p + "gate_up"), self.impl, quant=self.w8a8(p + "down"))
             return self.linear(act, p + "down", partial)
         return self.moe(x, i)
 
@@ -400,7 +384,7 @@ class NativeQwen3:
             # the decode step's fused kernels (RMSNorm + residual + the W8A8 input's
             # quantisation; q/k norm + rotary in one pass), so prefill and decode round alike
             h, resid = K.rmsnorm(x, self.tensors[p + "ln1"], s.eps, resid, impl,
-                                 quant=self.quant_input(p + "qkv", b * width))
+                                 quant=self.w8a8(p + "qkv"))
             q, k, v = K.qk_norm_rope_prefill(self.linear(h, p + "qkv"), self.tensors[p + "q_norm"],
                                              self.tensors[p + "k_norm"], self.cos, self.sin,
                                              start, width, s.nh, s.nkv, s.eps, impl)
@@ -410,8 +394,7 @@ class NativeQwen3:
                                                scale=s.head_dim ** -0.5, enable_gqa=True)
             a = a.transpose(1, 2).reshape(b * width, s.nh * s.head_dim)
             h, resid = K.rmsnorm(self.linear(a, p + "o"), self.tensors[p + "ln2"], s.eps, resid,
-                                 impl, quant=not s.is_moe[i] and self.quant_input(
-                                     p + "gate_up", b * width))
+                                 impl, quant=not s.is_moe[i] and self.w8a8(p + "gate_up"))
             x = self.mlp(h, i)
         h, _ = K.rmsnorm(x, self.tensors["final_norm"], s.eps, resid, impl)
         return h.view(b, width, s.hidden)
@@ -454,21 +437,20 @@ class NativeQwen3:
         for i in range(s.layers):
             p = f"layers.{i}."
             h, resid = K.rmsnorm(x, self.tensors[p + "ln1"], s.eps, resid, impl,
-                                 quant=self.quant_input(p + "qkv", b))
+                                 quant=self.w8a8(p + "qkv"))
             qkv = self.linear(h, p + "qkv")
             kc, vc, ke, ve = self.cache.layer(i)
             q = K.qk_norm_rope_cache(qkv, self.tensors[p + "q_norm"], self.tensors[p + "k_norm"],
                                      self.cos, self.sin, start, pos, kc, vc, s.nh, s.nkv, s.eps,
                                      impl, ke, ve)
-            # then the attention hands over the o GEMM's FP8 input
-            quant = self.quant_input(p + "o", b, partial=True)
+            quant = self.w8a8(p + "o")  # then the kernel hands over the o GEMM's FP8 input
             a = K.decode_attention(q, kc, vc, start, pos, s.head_dim ** -0.5, impl, k_exp=ke,
                                    v_exp=ve, splits=splits, quant_out=quant, **attn)
             # o and down feed RMSNorms, which sum a split-K GEMM's partials as they read them
             o = self.linear(a if quant else a.view(b, s.nh * s.head_dim), p + "o", partial=True)
             # a dense layer's norm feeds one W8A8 GEMM; an MoE layer's also feeds its router
             h, resid = K.rmsnorm(o, self.tensors[p + "ln2"], s.eps, resid, impl,
-                                 quant=not s.is_moe[i] and self.quant_input(p + "gate_up", b))
+                                 quant=not s.is_moe[i] and self.w8a8(p + "gate_up"))
             x = self.mlp(h, i, partial=True)
         h, _ = K.rmsnorm(x, self.tensors["final_norm"], s.eps, resid, impl)
         return self.logits(h, fp32_logits)
