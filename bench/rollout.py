@@ -4,8 +4,10 @@ GPU; and how many sequences each native configuration holds in the same memory.
 
 Every configuration: `--batches` prompts of `--prompt-len` random tokens, exactly `new` sampled
 tokens each (temperature 1, no EOS), tokens/s = batch x new / wall time of the whole call
-(prefill, decode, sampling, results back on the host). HF runs only up to `--hf-max-new` new
-tokens (its 1024-token runs would take minutes of device time; they are reported as not run).
+(prefill, decode, sampling, results back on the host); each call is repeated until
+`--min-seconds` of calls are timed (at most 5) and the median reported (`runs`): a 0.25 s call
+varies by several % from one run to the next. HF runs only up to `--hf-max-new` new tokens
+(its 1024-token runs would take minutes of device time; they are reported as not run).
 
 Roofline (per configuration, for that engine's weight format): prefill at max(FLOPs / measured
 bf16 matmul peak, weight bytes / bandwidth), plus every decode step at (weight bytes read + KV
@@ -32,6 +34,7 @@ Run: python -m bench.rollout
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 
 import torch
@@ -65,16 +68,21 @@ def roofline_seconds(shape, weight_bytes: int, batch: int, prompt: int, new: int
     return t
 
 
-def run_native(engine, prompts, new: int) -> float:
+def run_native(engine, prompts, new: int, min_seconds: float = 0.0) -> tuple[float, int]:
+    """(median seconds of one generate call, calls timed): calls are repeated until
+    `min_seconds` have been timed, at most 5 times."""
     from rl.rollout.base import SamplingParams
     engine.generate(prompts, SamplingParams(max_new_tokens=3, seed=1))  # graphs, compiles
     sync()
-    t0 = time.perf_counter()
-    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new, seed=2))
-    sync()
-    seconds = time.perf_counter() - t0
-    assert all(len(g[0].response_ids) == new for g in out), "a sequence stopped early"
-    return seconds
+    times: list[float] = []
+    while not times or (sum(times) < min_seconds and len(times) < 5):
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new,
+                                                      seed=2))
+        sync()
+        times.append(time.perf_counter() - t0)
+        assert all(len(g[0].response_ids) == new for g in out), "a sequence stopped early"
+    return statistics.median(times), len(times)
 
 
 def run_hf(model, prompts, new: int) -> float:
@@ -122,6 +130,8 @@ def main() -> None:
         p.add_argument("--hf-max-new", type=int, default=128),
         p.add_argument("--mem-fraction", type=float, default=0.85),
         p.add_argument("--overhead-gb", type=float, default=5.0),
+        p.add_argument("--min-seconds", type=float, default=1.5,
+                       help="time each native call until this many seconds (at most 5 calls)"),
         p.add_argument("--attention", default="single",
                        help="comma list of rollout.decode_attention modes or split counts")))
     gpu = not args.smoke
@@ -154,9 +164,12 @@ def main() -> None:
              "model, batch and length",
              "native fp8 (GEMM sums its split-K): o / down's split-K partials summed by the GEMM "
              "(two launches each) instead of by the RMSNorm that reads them",
+             f"runs: generate calls timed (median reported): until {args.min_seconds:g} s, at "
+             "most 5",
              "targets (0.6B, batch 256): native FP8 >= 4x HF generate; >= 35% of roofline; "
              "FP8 weights + FP8 KV >= 1.5x native bf16 at 1024 new tokens; ~2x max_seqs"]
-    columns = ["model", "engine", "attn_splits", "batch", "new_tokens", "seconds", "tokens_per_s",
+    columns = ["model", "engine", "attn_splits", "batch", "new_tokens", "runs", "seconds",
+               "tokens_per_s",
                "vs_HF", "vs_native_bf16", "roofline_tokens_per_s", "fraction_of_roofline",
                "weight_GB", "max_seqs", "cache_GB"]
     total_mem = (torch.cuda.get_device_properties(0).total_memory if gpu else 2 ** 30)
@@ -227,11 +240,12 @@ def main() -> None:
                 for b in batches:
                     splits = engine.model.attention_splits(_bucket(b, cfg.max_batch_size))
                     for new in news:
-                        secs = run_native(engine, prompts[b], new)
+                        secs, runs = run_native(engine, prompts[b], new,
+                                                args.min_seconds if gpu else 0.0)
                         roof = roofline_seconds(shape, wbytes, b, prompt_len, new, bw, peak,
                                                 kv_token)
                         save({"model": label, "engine": name, "attn_splits": splits,
-                              "batch": b, "new_tokens": new, "seconds": secs,
+                              "batch": b, "new_tokens": new, "runs": runs, "seconds": secs,
                               "tokens_per_s": b * new / secs,
                               "roofline_tokens_per_s": b * new / roof,
                               "fraction_of_roofline": roof / secs, "weight_GB": wbytes / 1e9})
