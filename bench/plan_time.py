@@ -57,11 +57,6 @@ SHAPES = {"Qwen3-0.6B": QWEN3_06B, "Qwen3-1.7B": QWEN3_17B, "Qwen3-MoE-small": Q
 FIT_ROLLOUT = ("Qwen3-0.6B", "native bf16", 64, 1024)
 # Rows outside [0.75, 1.33], with why the model cannot predict them (see the module docstring).
 MISSES = {
-    "rollout Qwen3-0.6B native fp8 + fp8 kv b256 n1024": "the FP8 KV cache halves the KV "
-    "bytes, which at 1,024 tokens should save ~40% of the time (predicted 3.89 s); measured "
-    "5.21 s vs 6.31 s with a BF16 cache: the attention kernel reads at 0.85 of the copy "
-    "bandwidth (decode_attention.json) and the cache write of V^T costs 500 vs 190 us per step "
-    "(decode_profile.json), which the byte model does not see",
     "trainer forward Qwen3-MoE-small HF BF16 scoring, 16,384 tokens": "plan.mfu is fitted on a "
     "dense model; HF's MoE forward in 8-row chunks (256 tokens per expert) reaches ~8% of peak",
 }
