@@ -36,7 +36,8 @@ def variants(rows: int, ctx: int) -> list[dict]:
                 out.append(dict(kv="fp8", block_l=b, num_warps=w, fp8_mma=mma, splits=1,
                                 num_stages=None))
     out += [dict(kv="fp8", block_l=b, num_warps=w, fp8_mma=MMA[0], splits=1, num_stages=st)
-            for b, w, st in ((128, None, 2), (128, None, 4), (256, None, 2), (256, 8, 2))]
+            for b, w, st in ((128, None, 2), (128, None, 3), (128, None, 4), (256, None, 2),
+                             (256, 8, 2))]
     auto = decode_splits(rows, NKV, ctx, 64)
     if auto > 1:
         out += [dict(kv="bf16", block_l=64, num_warps=None, fp8_mma=None, splits=auto,
@@ -109,7 +110,7 @@ def main() -> None:
             rows_out.append({
                 "shape": f"{rows} x {ctx}", "kv": v["kv"], "block_l": v["block_l"],
                 "num_warps": v["num_warps"] or "default",
-                "num_stages": v["num_stages"] or "default",
+                "num_stages": v["num_stages"] or ("auto" if v["kv"] == "fp8" else "default"),
                 "products": "bf16" if v["kv"] == "bf16" else "QK {} PV {}".format(
                     *("e4m3" if x else "fp16" for x in v["fp8_mma"])),
                 "splits": v["splits"], "engine_default": "yes" if default else "",
@@ -125,7 +126,9 @@ def main() -> None:
              else "smoke: Triton interpreter on CPU, no timing",
              "max_abs_err: against the fp32 torch reference over the same (BF16 or FP8) cache",
              "engine_default: what the native engine runs at that cache dtype and split count "
-             "(rl.rollout.native.model.attention_settings)"]
+             "(rl.rollout.native.model.attention_settings)",
+             "num_stages auto (FP8 cache): kernels.fp8_attention_stages, 2 for a single pass "
+             "of at least 2 programs per SM, else 3 (Triton's default)"]
     write_results("decode_attention" + ("_smoke" if args.smoke else ""), args.out,
                   device_info(), rows_out, list(rows_out[0]), notes)
 

@@ -39,6 +39,7 @@ fp16 activations: it mishandles bf16 dots (numpy has no bf16). On GPU they run i
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -178,11 +179,13 @@ if triton is not None:
             tl.store(y_ptr + row * H + cols, y, mask=mask)
 
     @triton.jit
-    def _head_norm_rope(x1, x2, w_ptr, c, s, eps, D: tl.constexpr, HALF: tl.constexpr):
+    def _rows_norm_rope(x1, x2, w_ptr, c, s, eps, D: tl.constexpr, HALF: tl.constexpr):
+        """Per-row RMSNorm (weight w) and rotary of a block of heads or tokens: x1, x2 (R, HALF)
+        the halves of R rows, c, s their (R, HALF) cos / sin (or (1, HALF): one position)."""
         d = tl.arange(0, HALF)
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
-        x1 = x1 * rstd * tl.load(w_ptr + d).to(tl.float32)
-        x2 = x2 * rstd * tl.load(w_ptr + HALF + d).to(tl.float32)
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)
+        x1 = x1 * rstd[:, None] * tl.load(w_ptr + d).to(tl.float32)[None, :]
+        x2 = x2 * rstd[:, None] * tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
         return x1 * c - x2 * s, x2 * c + x1 * s
 
     @triton.jit
@@ -190,43 +193,42 @@ if triton is not None:
                               q_ptr, kc_ptr, vc_ptr, ke_ptr, ve_ptr, eps, stride_qkv, stride_cb,
                               stride_ch, stride_vd, stride_eb, stride_eh, NH: tl.constexpr,
                               NKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                              FP8_KV: tl.constexpr):
+                              HB: tl.constexpr, FP8_KV: tl.constexpr):
+        """Row b, heads [j HB, (j + 1) HB) of its NH + 2 NKV as one (HB, D) tile (HB divides NH
+        and NKV, so a program's heads are all q, all k or all v): q and k RMSNormed per head and
+        rotated at position pos - start[b]; q into q_ptr, k and v into slot pos of the caches.
+        (One program per head, 64-element vectors in 4 warps, took 6.6 us at 256 rows against
+        2.4 us for 8 heads per program; FP8 13.4 vs 9.3 us, H200.)"""
         b = tl.program_id(0).to(tl.int64)  # b x cache stride can pass 2^31 for big caches
-        h = tl.program_id(1)
+        h0 = tl.program_id(1) * HB
+        hh = tl.arange(0, HB)
         d = tl.arange(0, HALF)
         pos = tl.load(pos_ptr)
         position = tl.maximum(pos - tl.load(start_ptr + b), 0)
-        src = qkv_ptr + b * stride_qkv + h * D
-        x1 = tl.load(src + d).to(tl.float32)
-        x2 = tl.load(src + HALF + d).to(tl.float32)
-        c = tl.load(cos_ptr + position * HALF + d)
-        s = tl.load(sin_ptr + position * HALF + d)
-        out_ty = q_ptr.dtype.element_ty
-        if h < NH:
-            y1, y2 = _head_norm_rope(x1, x2, qn_ptr, c, s, eps, D, HALF)
-            dst = q_ptr + (b * NH + h) * D
-            tl.store(dst + d, y1.to(out_ty))
-            tl.store(dst + HALF + d, y2.to(out_ty))
-        elif h < NH + NKV:
-            y1, y2 = _head_norm_rope(x1, x2, kn_ptr, c, s, eps, D, HALF)
-            store_kv(kc_ptr + b * stride_cb + (h - NH) * stride_ch + pos * D,
-                     ke_ptr + b * stride_eb + (h - NH) * stride_eh + pos, y1, y2, HALF, FP8_KV)
-        elif FP8_KV:  # V^T: the token is column `pos` of a (D, L) tile
-            store_kv(vc_ptr + b * stride_cb + (h - NH - NKV) * stride_ch + pos,
-                     ve_ptr + b * stride_eb + (h - NH - NKV) * stride_eh + pos, x1, x2, HALF,
-                     FP8_KV, stride_vd)
+        src = qkv_ptr + b * stride_qkv + (h0 + hh)[:, None] * D + d[None, :]
+        x1 = tl.load(src).to(tl.float32)
+        x2 = tl.load(src + HALF).to(tl.float32)
+        c = tl.load(cos_ptr + position * HALF + d)[None, :]
+        s = tl.load(sin_ptr + position * HALF + d)[None, :]
+        if h0 < NH:
+            y1, y2 = _rows_norm_rope(x1, x2, qn_ptr, c, s, eps, D, HALF)
+            q_dst = q_ptr + (b * NH + h0 + hh)[:, None] * D + d[None, :]
+            tl.store(q_dst, y1.to(q_ptr.dtype.element_ty))
+            tl.store(q_dst + HALF, y2.to(q_ptr.dtype.element_ty))
+        elif h0 < NH + NKV:
+            y1, y2 = _rows_norm_rope(x1, x2, kn_ptr, c, s, eps, D, HALF)
+            hk = h0 - NH + hh
+            store_kv(kc_ptr + b * stride_cb + hk[:, None] * stride_ch + pos * D,
+                     ke_ptr + b * stride_eb + hk * stride_eh + pos, y1, y2, HALF, FP8_KV)
+        elif FP8_KV:  # V^T: the token is column `pos` of each head's (D, L) tile
+            hv = h0 - NH - NKV + hh
+            store_kv(vc_ptr + b * stride_cb + hv[:, None] * stride_ch + pos,
+                     ve_ptr + b * stride_eb + hv * stride_eh + pos, x1, x2, HALF, FP8_KV,
+                     stride_vd)
         else:
-            store_kv(vc_ptr + b * stride_cb + (h - NH - NKV) * stride_ch + pos * D,
-                     ve_ptr, x1, x2, HALF, FP8_KV)
-
-    @triton.jit
-    def _rows_norm_rope(x1, x2, w_ptr, c, s, eps, D: tl.constexpr, HALF: tl.constexpr):
-        """`_head_norm_rope` over a block of rows (tokens): x1, x2, c, s (BLOCK_T, HALF)."""
-        d = tl.arange(0, HALF)
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)
-        x1 = x1 * rstd[:, None] * tl.load(w_ptr + d).to(tl.float32)[None, :]
-        x2 = x2 * rstd[:, None] * tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
-        return x1 * c - x2 * s, x2 * c + x1 * s
+            hv = h0 - NH - NKV + hh
+            store_kv(vc_ptr + b * stride_cb + hv[:, None] * stride_ch + pos * D, ve_ptr, x1, x2,
+                     HALF, FP8_KV)
 
     @triton.jit
     def _qk_rope_prefill_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr,
@@ -687,6 +689,9 @@ def rmsnorm(x: torch.Tensor | Partials, w: torch.Tensor, eps: float,
     return (QuantAct(y.view(torch.float8_e4m3fn), sc.t(), m) if quant else y), h
 
 
+_CACHE_WRITE_HEADS = 8   # heads per program of the decode q/k/v kernel (at most; H200: 8 > 4 > 1)
+
+
 def qk_norm_rope_cache(qkv: torch.Tensor, qn_w: torch.Tensor, kn_w: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor,
                        pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -705,10 +710,11 @@ def qk_norm_rope_cache(qkv: torch.Tensor, qn_w: torch.Tensor, kn_w: torch.Tensor
     fp8 = k_exp is not None
     kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
     ke, ve = (k_exp, v_exp) if fp8 else (kc, vc)
-    _qk_rope_cache_kernel[(b, nh + 2 * nkv)](
+    hb = math.gcd(nh, nkv, _CACHE_WRITE_HEADS)      # heads per program: a power of two
+    _qk_rope_cache_kernel[(b, (nh + 2 * nkv) // hb)](
         qkv, qn_w, kn_w, cos, sin, start, pos, q, kc, vc, ke, ve, eps, qkv.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(2), ke.stride(0), ke.stride(1),
-        NH=nh, NKV=nkv, D=d, HALF=d // 2, FP8_KV=fp8)
+        NH=nh, NKV=nkv, D=d, HALF=d // 2, HB=hb, FP8_KV=fp8)
     return q
 
 
@@ -773,6 +779,23 @@ def decode_splits(rows: int, kv_heads: int, context: int, block_l: int = 64,
     return max(1, min(by_fill, by_context, MAX_SPLITS))
 
 
+def fp8_attention_stages(programs: int, splits: int, device: torch.device) -> int:
+    """Pipeline stages of the FP8-cache decode attention (`num_stages=None`): 2 for the
+    single-pass kernel when its programs fill 2 per SM: one tile loads while one computes, and
+    37 KB of shared memory let 4 programs share an SM where 3 stages' 70 KB left room for 3
+    (H200, 2,048 programs at 256 x 1,024: 140 vs 143 us; 512 at 64 x 1,024: 47 vs 54). Else
+    Triton's 3: with fewer programs than SMs each one needs the deeper pipeline (128 programs
+    at 16 x 4,096: 77 us with 2 stages, 53 with 3), and short split-K programs lost with 2
+    (7 splits at 16 x 4,096: 70 vs 58 us; `bench.decode_attention`)."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else H200_SMS
+    return 2 if splits == 1 and programs >= 2 * sms else 3
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def fp8_mma_supported(device: torch.device) -> bool:
     """e4m3 tensor-core products: NVIDIA compute capability 8.9 and up (Ada, Hopper, Blackwell).
     Elsewhere (older GPUs, ROCm, the interpreter's default) the FP8 decode attention converts to
@@ -798,7 +821,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     FP8 caches (triton): `fp8_mma` = (QK, PV) products in e4m3 (`_attn_blocks_fp8`; PV only
     with block_l >= 32), None = both where `fp8_mma_supported`; the cache length must be a
     multiple of `block_l` (KVCache pads it). `num_warps` / `num_stages`: Triton's launch
-    options (None: its defaults); `bench.decode_attention` sweeps them.
+    options (None: its defaults; the FP8 kernel's stages: `fp8_attention_stages`);
+    `bench.decode_attention` sweeps them.
     `quant_out`: the output as the o projection's W8A8 input, (B, NH * D) in 1x128 blocks
     (`QuantAct`), quantised in the BF16-cache single-pass kernel's epilogue when D is 128, else
     by the one-pass quantiser after."""
@@ -837,6 +861,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                              f"{tuple(k_cache.shape)}, V {tuple(v_cache.shape)}")
         qk8, pv8 = fp8_mma if fp8_mma is not None else (fp8_mma_supported(q.device),) * 2
         pv8 = pv8 and block_l >= 32             # an e4m3 MMA reduces over 32 at a time
+        # The query heads of a KV head are the MMA's N side here, 2 of them for Qwen3: 8 is the
+        # narrowest that Hopper's MMA takes (16 before: 143 -> 140 us at 256 x 1,024, 46 -> 44
+        # at 64 x 1,024, H200, 3 stages); ROCm's kernels keep 16.
+        consts["GP"] = max(16 if torch.version.hip else 8, _next_pow2(g))
+        if num_stages is None:
+            consts["num_stages"] = fp8_attention_stages(b * nkv, splits, q.device)
         _decode_attn_fp8_kernel[(b, nkv, splits)](
             q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_exp, v_exp,
             out if splits == 1 else acc, m, l_sum, start, pos, sm_scale, k_cache.stride(0),

@@ -113,15 +113,16 @@ if triton is not None:
 
     @triton.jit
     def store_kv(dst, exp_dst, y1, y2, HALF: tl.constexpr, FP8_KV: tl.constexpr, step=None):
-        """Write one head's halves (fp32): in dst's dtype, or as e4m3 bytes + scale exponent;
-        element i at dst + i, or at dst + i * step (FP8 V^T: a column of a (D, L) tile).
+        """Write R heads' halves y1, y2 (fp32 (R, HALF)): in dst's dtype, or as e4m3 bytes + one
+        scale exponent per head. dst (R, 1): each head's element 0; element i at dst + i, or at
+        dst + i * step (FP8 V^T: a column of a (D, L) tile); exp_dst (R,): each head's exponent.
         NaN is stored as 0: the decode attention loads whole tiles unmasked, and every byte of
         an FP8 cache must be a finite e4m3 (inf saturates to +-448)."""
-        d = tl.arange(0, HALF)
+        d = tl.arange(0, HALF)[None, :]
         if FP8_KV:
             y1 = tl.where(y1 == y1, y1, 0.0)
             y2 = tl.where(y2 == y2, y2, 0.0)
-            amax = tl.maximum(tl.maximum(tl.max(tl.abs(y1), axis=0), tl.max(tl.abs(y2), axis=0)),
+            amax = tl.maximum(tl.maximum(tl.max(tl.abs(y1), axis=1), tl.max(tl.abs(y2), axis=1)),
                               1e-30)
             # scale = 2**ceil(log2(amax / 448)) from amax's bits, no division: amax = m * 2**E,
             # m in [1, 2), 448 = 1.75 * 2**8, so the exponent is E - 8, + 1 when m > 1.75
@@ -129,15 +130,17 @@ if triton is not None:
             # (a quotient within half an ulp of a power of two cannot come from a 24-bit amax).
             abits = amax.to(tl.int32, bitcast=True)
             exp = ((abits >> 23) & 0xFF) - 8 + ((abits & 0x7FFFFF) > 0x600000).to(tl.int32)
-            inv = ((254 - exp) << 23).to(tl.float32, bitcast=True)
+            inv = ((254 - exp) << 23).to(tl.float32, bitcast=True)[:, None]
             q1 = e4m3_round(tl.minimum(tl.maximum(y1 * inv, -448.0), 448.0))
             q2 = e4m3_round(tl.minimum(tl.maximum(y2 * inv, -448.0), 448.0))
+            q1 = q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            q2 = q2.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
             if step is None:
-                tl.store(dst + d, q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
-                tl.store(dst + HALF + d, q2.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+                tl.store(dst + d, q1)
+                tl.store(dst + HALF + d, q2)
             else:
-                tl.store(dst + d * step, q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
-                tl.store(dst + (HALF + d) * step, q2.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+                tl.store(dst + d * step, q1)
+                tl.store(dst + (HALF + d) * step, q2)
             tl.store(exp_dst, exp.to(tl.uint8))
         else:
             ty = dst.dtype.element_ty

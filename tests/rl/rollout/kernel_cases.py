@@ -71,6 +71,43 @@ def split_attention_cases(K, r, close, DT, device, tl_scale) -> None:
             close(name + " vs single", a, one, 5e-3 * tl_scale)
 
 
+def cache_write_heads_cases(K, r, close, DT, device, tl_scale) -> None:
+    """The decode q/k/v kernel takes gcd(NH, NKV, 8) heads per program: 8 (16 / 8 heads),
+    2 (6 / 2) and 1 (3 / 1 heads) against the torch reference, BF16 and FP8 caches, rows
+    starting at different slots."""
+    from rl.rollout.native.kvcache import dequantize_kv
+    b, d, length = 2, 32, 24
+    for nh, nkv in ((16, 8), (6, 2), (3, 1)):
+        qkv = r(b, (nh + 2 * nkv) * d).to(DT)
+        qn, kn = (1 + 0.1 * r(d)).to(DT), (1 + 0.1 * r(d)).to(DT)
+        ang = r(length, d // 2).float()
+        cos, sin = ang.cos(), ang.sin()
+        start = torch.tensor([0, 3], dtype=torch.int32, device=device)
+        pos = torch.tensor([9], dtype=torch.int32, device=device)
+        caches = [r(b, nkv, length, d).to(DT) for _ in range(2)]
+        ref = [c.clone() for c in caches]
+        q = K.qk_norm_rope_cache(qkv, qn, kn, cos, sin, start, pos, *caches, nh, nkv, 1e-6,
+                                 "triton")
+        q0 = K.qk_norm_rope_cache(qkv, qn, kn, cos, sin, start, pos, *ref, nh, nkv, 1e-6,
+                                  "torch")
+        close(f"qk rope {nh}/{nkv} heads q", q, q0, 2e-3 * tl_scale)
+        close(f"qk rope {nh}/{nkv} heads k, v cache", torch.stack(caches), torch.stack(ref),
+              2e-3 * tl_scale)
+        f8 = [list(fp8_cache(c, 32, v=i == 1)) for i, c in enumerate(caches)]
+        f8_ref = [[x.clone() for x in pair] for pair in f8]
+        K.qk_norm_rope_cache(qkv, qn, kn, cos, sin, start, pos, f8[0][0], f8[1][0], nh, nkv,
+                             1e-6, "triton", f8[0][1], f8[1][1])
+        K.qk_norm_rope_cache(qkv, qn, kn, cos, sin, start, pos, f8_ref[0][0], f8_ref[1][0], nh,
+                             nkv, 1e-6, "torch", f8_ref[0][1], f8_ref[1][1])
+        for name, (x8, e), (x8_ref, e_ref) in zip("kv", f8, f8_ref):
+            if name == "v":
+                x8, x8_ref = x8.transpose(-1, -2), x8_ref.transpose(-1, -2)
+            if not torch.equal(e, e_ref):
+                raise Mismatch(f"fp8 {name} scale exponents differ ({nh}/{nkv} heads)")
+            close(f"fp8 {name} cache write {nh}/{nkv} heads", dequantize_kv(x8, e),
+                  dequantize_kv(x8_ref, e_ref), 2e-3 * tl_scale)
+
+
 def sampling_cases(K, device: str) -> None:
     """`sample_temperature` (one pass, Gumbel-max over vocabulary chunks): the drawn tokens
     follow softmax(x / T) (total variation over many rows of the same logits: 4,000 on a GPU,
@@ -177,6 +214,7 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
         a = K.decode_attention(q, *caches, start, pos, d ** -0.5, "triton", 16, splits=splits)
         assert torch.isfinite(a[1]).all(), f"NaN leaked from a slot before start ({splits=})"
     split_attention_cases(K, r, close, DT, device, tl_scale)
+    cache_write_heads_cases(K, r, close, DT, device, tl_scale)
 
     # FP8 KV cache (64 slots: a multiple of both tiles below; V stored transposed): earlier
     # slots quantised from the caches above, then slot pos + 1 written by each implementation
