@@ -783,10 +783,10 @@ def fp8_attention_stages(programs: int, splits: int, device: torch.device) -> in
     """Pipeline stages of the FP8-cache decode attention (`num_stages=None`): 2 for the
     single-pass kernel when its programs fill 2 per SM: one tile loads while one computes, and
     37 KB of shared memory let 4 programs share an SM where 3 stages' 70 KB left room for 3
-    (H200, 2,048 programs at 256 x 1,024: 140 vs 143 us; 512 at 64 x 1,024: 47 vs 54). Else
-    Triton's 3: with fewer programs than SMs each one needs the deeper pipeline (128 programs
-    at 16 x 4,096: 77 us with 2 stages, 53 with 3), and short split-K programs lost with 2
-    (7 splits at 16 x 4,096: 70 vs 58 us; `bench.decode_attention`)."""
+    (H200, `bench.decode_attention`: 2,048 programs at 256 x 1,024, 136 vs 140 us; 512 at
+    64 x 1,024, 37 vs 44). Else Triton's 3: with fewer programs than SMs each one needs the
+    deeper pipeline (128 programs at 16 x 4,096: 68 us with 2 stages, 45 with 3); split-K
+    keeps 3, as measured before this rule."""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else H200_SMS
     return 2 if splits == 1 and programs >= 2 * sms else 3
 
