@@ -31,7 +31,10 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
             try:
                 yield where, json.loads(line.rstrip())
             except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); "
+                # json's messages that name a position themselves end in "at" ("Unterminated
+                # string starting at"): the column completes them
+                at = " " if e.msg.endswith(" at") else " at "
+                raise DataError(f"{where}: invalid JSON ({e.msg}{at}column {e.colno}); "
                                 "expected one JSON object per line") from None
 
 

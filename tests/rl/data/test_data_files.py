@@ -36,6 +36,8 @@ def test_numeric_answers_become_strings(tmp_path):
 @pytest.mark.parametrize("line, message", [
     ('{"question": "q", "answer": "1"', "invalid JSON (Expecting ',' delimiter at column 32); "
                                         "expected one JSON object per line"),
+    ('{"question": "a line cut mid-str', "invalid JSON (Unterminated string starting at column "
+                                         "14); expected one JSON object per line"),
     ('["q", "1"]', "got list ['q', '1'], expected a JSON object with keys 'question' and "
                    "'answer'"),
     ('{"question": "q"}', "missing key 'answer' (keys present: question)"),
