@@ -787,7 +787,9 @@ def fp8_attention_stages(programs: int, splits: int, device: torch.device) -> in
     64 x 1,024, 37 vs 44). Else Triton's 3: with fewer programs than SMs each one needs the
     deeper pipeline (128 programs at 16 x 4,096: 68 us with 2 stages, 45 with 3); split-K
     keeps 3, as measured before this rule."""
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else H200_SMS
+    sms = H200_SMS
+    if device.type == "cuda":   # "cuda" without an index: the current device's
+        sms = _sm_count(torch.cuda.current_device() if device.index is None else device.index)
     return 2 if splits == 1 and programs >= 2 * sms else 3
 
 
