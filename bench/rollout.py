@@ -9,6 +9,13 @@ tokens each (temperature 1, no EOS), tokens/s = batch x new / wall time of the w
 varies by several % from one run to the next. HF runs only up to `--hf-max-new` new tokens
 (its 1024-token runs would take minutes of device time; they are reported as not run).
 
+The four engines the targets compare (FP8 / BF16 weights x BF16 / FP8 KV cache) are built
+together and timed in rounds (`run_rounds`: each round calls every engine once, the order
+rotated): their ratio to native BF16 is the median of the per-round ratios, with its range.
+Timed one engine after the other, minutes apart, the GPU's drift moved a ratio by up to 5%
+between two runs of the same code (FP8 weights at 64 x 128: 0.945 in one run, 0.999 in the
+run before).
+
 Roofline (per configuration, for that engine's weight format): prefill at max(FLOPs / measured
 bf16 matmul peak, weight bytes / bandwidth), plus every decode step at (weight bytes read + KV
 cache bytes read for every row's context) / measured copy bandwidth (bytes read + written per
@@ -68,21 +75,38 @@ def roofline_seconds(shape, weight_bytes: int, batch: int, prompt: int, new: int
     return t
 
 
-def run_native(engine, prompts, new: int, min_seconds: float = 0.0) -> tuple[float, int]:
-    """(median seconds of one generate call, calls timed): calls are repeated until
-    `min_seconds` have been timed, at most 5 times."""
+def _call_seconds(engine, prompts, new: int) -> float:
     from rl.rollout.base import SamplingParams
-    engine.generate(prompts, SamplingParams(max_new_tokens=3, seed=1))  # graphs, compiles
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new, seed=2))
     sync()
-    times: list[float] = []
-    while not times or (sum(times) < min_seconds and len(times) < 5):
-        t0 = time.perf_counter()
-        out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new,
-                                                      seed=2))
-        sync()
-        times.append(time.perf_counter() - t0)
-        assert all(len(g[0].response_ids) == new for g in out), "a sequence stopped early"
-    return statistics.median(times), len(times)
+    secs = time.perf_counter() - t0
+    assert all(len(g[0].response_ids) == new for g in out), "a sequence stopped early"
+    return secs
+
+
+def run_rounds(engines: dict, prompts, new: int, min_seconds: float = 0.0,
+               min_rounds: int = 1, max_rounds: int = 5) -> dict[str, list[float]]:
+    """Seconds of every generate call, per engine name, timed in rounds: a round calls each
+    engine once, starting one engine later than the round before, so that drift of the GPU
+    over the minutes of a run and the order of the calls fall alike on every engine (their
+    per-round ratios pair them). Rounds go on until each engine has `min_seconds` timed,
+    at least `min_rounds` and at most `max_rounds` of them. Each engine is warmed first (graph
+    capture, compiles)."""
+    from rl.rollout.base import SamplingParams
+    for engine in engines.values():
+        engine.generate(prompts, SamplingParams(max_new_tokens=3, seed=1))
+    sync()
+    names = list(engines)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    r = 0
+    while r < max_rounds and (r < min_rounds
+                              or min(sum(t) for t in times.values()) < min_seconds):
+        for j in range(len(names)):
+            n = names[(r + j) % len(names)]
+            times[n].append(_call_seconds(engines[n], prompts, new))
+        r += 1
+    return times
 
 
 def run_hf(model, prompts, new: int) -> float:
@@ -161,18 +185,32 @@ def main() -> None:
              "attn_splits: context splits per (row, kv head) of the native decode attention "
              "at that batch (1 = the single-pass kernel)",
              "vs_native_bf16: tokens/s over native bf16 (BF16 weights and KV cache) at the same "
-             "model, batch and length",
+             "model, batch and length; for the four engines with a vs_bf16_range (FP8 / BF16 "
+             "weights x BF16 / FP8 KV, single-pass attention), timed in rounds: each round "
+             "calls every engine once, starting one engine later each round, and the figure is "
+             "the median of the rounds' ratios (range: their smallest and largest), so that the "
+             "GPU's drift over the run falls alike on both sides; other rows: over native "
+             "bf16's median",
              "native fp8 (GEMM sums its split-K): o / down's split-K partials summed by the GEMM "
              "(two launches each) instead of by the RMSNorm that reads them",
              f"runs: generate calls timed (median reported): until {args.min_seconds:g} s, at "
-             "most 5",
+             "most 5 (the four engines in rounds: at least 3)",
              "targets (0.6B, batch 256): native FP8 >= 4x HF generate; >= 35% of roofline; "
              "FP8 weights + FP8 KV >= 1.5x native bf16 at 1024 new tokens; ~2x max_seqs"]
     columns = ["model", "engine", "attn_splits", "batch", "new_tokens", "runs", "seconds",
                "tokens_per_s",
-               "vs_HF", "vs_native_bf16", "roofline_tokens_per_s", "fraction_of_roofline",
+               "vs_HF", "vs_native_bf16", "vs_bf16_range", "roofline_tokens_per_s",
+               "fraction_of_roofline",
                "weight_GB", "max_seqs", "cache_GB"]
     total_mem = (torch.cuda.get_device_properties(0).total_memory if gpu else 2 ** 30)
+
+    models = [shapes[k][2] for k in args.models.split(",")]
+    ranks: dict[str, int] = {}
+
+    def engine_rank(name: str) -> int:  # the table keeps the engine order of the runs before
+        order = ["native fp8", "native fp8 (GEMM sums its split-K)", "native fp8 + fp8 kv",
+                 "HF generate bf16", "native bf16", "native bf16 + fp8 kv"]
+        return order.index(name) if name in order else ranks.setdefault(name, 100 + len(ranks))
 
     def save(row: dict) -> None:  # after every row, so a time limit leaves partial results
         rows.append(row)
@@ -185,8 +223,11 @@ def main() -> None:
             base = [h for h in rows if h["engine"] == "native bf16" and h["model"] == r["model"]
                     and h.get("batch") == r.get("batch")
                     and h.get("new_tokens") == r.get("new_tokens")]
-            if base and "tokens_per_s" in base[0] and isinstance(r.get("tokens_per_s"), float):
+            if (base and "tokens_per_s" in base[0] and isinstance(r.get("tokens_per_s"), float)
+                    and "vs_bf16_range" not in r):   # paired rows keep their per-round median
                 r["vs_native_bf16"] = r["tokens_per_s"] / base[0]["tokens_per_s"]
+        rows.sort(key=lambda r: (models.index(r["model"]), engine_rank(r["engine"]),
+                                 r.get("batch") or 1 << 30, r.get("new_tokens") or 1 << 30))
         write_results("rollout" + ("_smoke" if args.smoke else ""), args.out, info, rows,
                       columns, notes, quiet=True)
 
@@ -198,67 +239,98 @@ def main() -> None:
         state = full_state_for_engine(hf)
         prompts = {b: torch.randint(2, shape.vocab, (b, prompt_len), generator=g).tolist()
                    for b in batches}
-        # fused=False: the FP8 engine with our split-K GEMM summing its own partials, the
-        # path before the RMSNorm summed them (`NativeQwen3.fused_partials`), side by side
-        for quant, kv, fused in (("fp8", "auto", True), ("fp8", "auto", False),
-                                 ("fp8", "fp8", True), ("hf", None, True),
-                                 ("none", "auto", True), ("none", "fp8", True)):
-            if quant == "hf":
-                hf_bytes = sum(t.numel() * t.element_size() for t in hf.parameters())
-                for b in batches:
-                    for new in news:
-                        row = {"model": label, "engine": "HF generate bf16", "batch": b,
-                               "new_tokens": new, "weight_GB": hf_bytes / 1e9}
-                        roof = roofline_seconds(shape, hf_bytes, b, prompt_len, new, bw, peak)
-                        row["roofline_tokens_per_s"] = b * new / roof
-                        if new <= args.hf_max_new:
-                            secs = run_hf(hf, prompts[b], new)
-                            row.update(seconds=secs, tokens_per_s=b * new / secs,
-                                       fraction_of_roofline=roof / secs)
-                        else:
-                            row["seconds"] = "not run"
-                        save(row)
-                continue
-            for i, (mode, fixed) in enumerate(modes):
-                cfg = RolloutConfig(engine="native", quantization=quant,
-                                    max_batch_size=max(batches),
-                                    max_model_len=prompt_len + max(news),
-                                    max_new_tokens=max(news), kv_cache_dtype=kv,
-                                    decode_attention=mode)
-                engine = NativeEngine.from_config(config, cfg, device=device,
-                                                  dtype="bfloat16" if gpu else "float32")
-                engine.load_weights(state, version=1)
-                engine.model.fixed_splits = fixed
-                engine.model.fused_partials = fused
-                wbytes = engine.model.weight_bytes()
-                kv_token = engine.model.cache_bytes(1) / cfg.max_model_len
-                name = "native " + ("fp8" if quant == "fp8" else "bf16") + (
-                    " + fp8 kv" if kv == "fp8" else "") + (
-                    "" if fused else " (GEMM sums its split-K)") + (
-                    f" ({fixed} splits)" if fixed is not None else
-                    "" if mode == "single" else f" ({mode} attention)")
-                for b in batches:
-                    splits = engine.model.attention_splits(_bucket(b, cfg.max_batch_size))
-                    for new in news:
-                        secs, runs = run_native(engine, prompts[b], new,
-                                                args.min_seconds if gpu else 0.0)
+        def build(quant: str, kv: str, fused: bool, mode: str, fixed: int | None):
+            """(engine name, engine, its RolloutConfig)."""
+            cfg = RolloutConfig(engine="native", quantization=quant, max_batch_size=max(batches),
+                                max_model_len=prompt_len + max(news), max_new_tokens=max(news),
+                                kv_cache_dtype=kv, decode_attention=mode)
+            engine = NativeEngine.from_config(config, cfg, device=device,
+                                              dtype="bfloat16" if gpu else "float32")
+            engine.load_weights(state, version=1)
+            engine.model.fixed_splits = fixed
+            engine.model.fused_partials = fused
+            name = "native " + ("fp8" if quant == "fp8" else "bf16") + (
+                " + fp8 kv" if kv == "fp8" else "") + (
+                "" if fused else " (GEMM sums its split-K)") + (
+                f" ({fixed} splits)" if fixed is not None else
+                "" if mode == "single" else f" ({mode} attention)")
+            return name, engine, cfg
+
+        def free(engine) -> None:
+            engine.shutdown()
+            engine.model.cache, engine.model.cache_rows = None, 0
+            gc.collect()
+            torch.cuda.empty_cache() if gpu else None
+
+        def time_group(group: dict, paired: bool) -> None:
+            """Every shape of `group` {name: (engine, cfg)} in rounds (`run_rounds`); paired:
+            vs_native_bf16 is the median of the per-round ratios to "native bf16" in it."""
+            for b in batches:
+                for new in news:
+                    times = run_rounds({n: e for n, (e, _) in group.items()}, prompts[b], new,
+                                       args.min_seconds if gpu else 0.0,
+                                       min_rounds=(3 if gpu else 1) if paired else 1)
+                    for name, (engine, cfg) in group.items():
+                        wbytes = engine.model.weight_bytes()
+                        kv_token = engine.model.cache_bytes(1) / cfg.max_model_len
+                        secs = statistics.median(times[name])
                         roof = roofline_seconds(shape, wbytes, b, prompt_len, new, bw, peak,
                                                 kv_token)
-                        save({"model": label, "engine": name, "attn_splits": splits,
-                              "batch": b, "new_tokens": new, "runs": runs, "seconds": secs,
-                              "tokens_per_s": b * new / secs,
-                              "roofline_tokens_per_s": b * new / roof,
-                              "fraction_of_roofline": roof / secs, "weight_GB": wbytes / 1e9})
-                if i == 0 and fused:  # as many sequences whatever the attention / GEMM kernel
-                    budget = args.mem_fraction * total_mem - wbytes - args.overhead_gb * 1e9
-                    seqs, cache_gb = max_sequences(engine, budget)
-                    save({"model": label, "engine": name, "weight_GB": wbytes / 1e9,
-                          "max_seqs": seqs, "cache_GB": cache_gb})
+                        row = {"model": label, "engine": name,
+                               "attn_splits": engine.model.attention_splits(
+                                   _bucket(b, cfg.max_batch_size)),
+                               "batch": b, "new_tokens": new, "runs": len(times[name]),
+                               "seconds": secs, "tokens_per_s": b * new / secs,
+                               "roofline_tokens_per_s": b * new / roof,
+                               "fraction_of_roofline": roof / secs,
+                               "weight_GB": wbytes / 1e9}
+                        if paired:
+                            ratios = [t0 / t for t0, t in zip(times["native bf16"], times[name])]
+                            row.update(vs_native_bf16=statistics.median(ratios),
+                                       vs_bf16_range=f"{min(ratios):.3f}-{max(ratios):.3f}")
+                        save(row)
+
+        # The four engines the targets compare, side by side in rounds (one GPU memory holds
+        # their caches); then, one at a time, the FP8 engine with our split-K GEMM summing its
+        # own partials (the path before the RMSNorm summed them, `NativeQwen3.fused_partials`),
+        # the other --attention modes, and HF generate.
+        main_four = [("fp8", "auto"), ("fp8", "fp8"), ("none", "auto"), ("none", "fp8")]
+        group = {}
+        for quant, kv in main_four:
+            name, engine, cfg = build(quant, kv, True, *modes[0])
+            group[name] = (engine, cfg)
+        time_group(group, paired=True)
+        for engine, _ in group.values():
+            free(engine)
+        for name, (engine, _) in group.items():  # as many sequences whatever the kernels
+            wbytes = engine.model.weight_bytes()
+            budget = args.mem_fraction * total_mem - wbytes - args.overhead_gb * 1e9
+            seqs, cache_gb = max_sequences(engine, budget)
+            save({"model": label, "engine": name, "weight_GB": wbytes / 1e9,
+                  "max_seqs": seqs, "cache_GB": cache_gb})
+        del group, engine
+        gc.collect()
+        others = [("fp8", "auto", False, modes[0])] + [
+            (q, kv, True, m) for m in modes[1:] for q, kv in main_four]
+        for quant, kv, fused, mode in others:
+            name, engine, cfg = build(quant, kv, fused, *mode)
+            time_group({name: (engine, cfg)}, paired=False)
+            free(engine)
+            del engine
+        hf_bytes = sum(t.numel() * t.element_size() for t in hf.parameters())
+        for b in batches:
+            for new in news:
+                row = {"model": label, "engine": "HF generate bf16", "batch": b,
+                       "new_tokens": new, "weight_GB": hf_bytes / 1e9}
+                roof = roofline_seconds(shape, hf_bytes, b, prompt_len, new, bw, peak)
+                row["roofline_tokens_per_s"] = b * new / roof
+                if new <= args.hf_max_new:
+                    secs = run_hf(hf, prompts[b], new)
+                    row.update(seconds=secs, tokens_per_s=b * new / secs,
+                               fraction_of_roofline=roof / secs)
                 else:
-                    engine.shutdown()
-                del engine
-                gc.collect()
-                torch.cuda.empty_cache() if gpu else None
+                    row["seconds"] = "not run"
+                save(row)
         del hf, state
         gc.collect()
         torch.cuda.empty_cache() if gpu else None
