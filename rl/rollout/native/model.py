@@ -103,12 +103,15 @@ def attention_settings(fp8_kv: bool) -> dict:
 
 
 # Which W8A8 kernel a GEMM takes, from bench/results/fp8_gemm.md (H200):
-# ours (`kernels.w8a8_triton`, split-K) for skinny GEMMs with a long K, where it beats cuBLAS's
-# block-scaled GEMM: up to W8A8_TRITON_ROWS rows summing its own partials (o and down at 64
-# rows: 7.6 vs 8.8 us, 9.6 vs 11.5), up to W8A8_PARTIAL_ROWS when it splits K and the RMSNorm
-# after it sums the partials (`Partials`; o and down at 256 rows: 5.9 + 0.4 vs 9.1, 7.8 + 0.4
-# vs 11.8; unsplit, as a 30B-sized 4096 x 8192 at 256 rows, cuBLAS's 26 us beat its 52);
-# cuBLAS's everywhere else (it wins at K = 1024 and for prefill).
+# ours (`kernels.w8a8_triton`, split-K) for skinny GEMMs with a long K and a narrow output
+# (N <= K: o and down), whose few output tiles leave most SMs idle unless K is split, where it
+# beats cuBLAS's block-scaled GEMM: up to W8A8_TRITON_ROWS rows summing its own partials (o and
+# down at 64 rows: 7.6 vs 8.8 us, 9.6 vs 11.5), up to W8A8_PARTIAL_ROWS when it splits K and
+# the RMSNorm after it sums the partials (`Partials`; o and down at 256 rows: 5.9 + 0.4 vs 9.1,
+# 7.8 + 0.4 vs 11.8; unsplit, as a 30B-sized 4096 x 8192 at 256 rows, cuBLAS's 26 us beat its
+# 52); cuBLAS's everywhere else: at K = 1024, for prefill, and for wide outputs (N > K: qkv and
+# gate_up), which fill the GPU with output tiles unsplit (Qwen3-4B at 64 rows, CUDA graphs:
+# qkv 11.2 us on cuBLAS vs 17.8 on ours, gate_up 22.6 vs 24.6).
 W8A8_TRITON_ROWS = 64
 W8A8_PARTIAL_ROWS = 256
 W8A8_TRITON_MIN_K = 2048
@@ -117,7 +120,7 @@ W8A8_TRITON_MIN_K = 2048
 def w8a8_kernel(rows: int, n: int, k: int, partial: bool) -> str:
     """"triton" or "cublas": the W8A8 GEMM "auto" picks for `rows` x (n, k)^T, by the rule
     above; `partial`: the caller takes `kernels.Partials`."""
-    ours = k >= W8A8_TRITON_MIN_K and (rows <= W8A8_TRITON_ROWS or (
+    ours = k >= W8A8_TRITON_MIN_K and n <= k and (rows <= W8A8_TRITON_ROWS or (
         partial and rows <= W8A8_PARTIAL_ROWS and K.w8a8_triton_splits(rows, n, k) > 1))
     return "triton" if ours else "cublas"
 
@@ -137,7 +140,7 @@ class NativeQwen3:
         """Tests: the FP8-cache attention's (QK, PV) e4m3 products (None: the kernel's choice)."""
         self.fp8_gemm = "auto"
         """FP8 weights' GEMM: "auto" = W8A8 where `kernels.w8a8_supported` (our Triton kernel
-        when K >= `W8A8_TRITON_MIN_K` up to `W8A8_TRITON_ROWS` rows, or `W8A8_PARTIAL_ROWS`
+        when K >= `W8A8_TRITON_MIN_K` >= N up to `W8A8_TRITON_ROWS` rows, or `W8A8_PARTIAL_ROWS`
         for a split-K o / down at decode; else cuBLAS's), else W8A16; tests and benchmarks pin
         "cublas" or "triton" (W8A8 on that kernel) or "w8a16"."""
         self.fused_partials = True

@@ -52,8 +52,9 @@ def test_decode_splits_fill_the_gpu_only_when_rows_x_heads_do_not():
 
 def test_w8a8_auto_takes_our_split_k_kernel_where_the_rmsnorm_sums_its_partials():
     """The FP8 engine's "auto" GEMM choice (bench/results/fp8_gemm.md, H200): ours for long-K
-    GEMMs up to 64 rows; up to 256 rows for o / down at decode, whose split-K partials the next
-    RMSNorm sums, but only while the launch splits K; cuBLAS's otherwise."""
+    GEMMs with a narrow output (N <= K) up to 64 rows; up to 256 rows for o / down at decode,
+    whose split-K partials the next RMSNorm sums, but only while the launch splits K; cuBLAS's
+    otherwise, and for wide outputs (qkv, gate_up) at any K."""
     from rl.rollout.native.kernels import w8a8_triton_splits
     from rl.rollout.native.model import w8a8_kernel
 
@@ -69,3 +70,10 @@ def test_w8a8_auto_takes_our_split_k_kernel_where_the_rmsnorm_sums_its_partials(
     assert w8a8_kernel(256, *big, partial=True) == "cublas"         # no split: no partials
     assert w8a8_kernel(64, *big, partial=True) == "triton"
     assert w8a8_kernel(512, *down, partial=True) == "cublas"        # prefill-sized
+    # Qwen3-4B: K = 2,560 reaches ours' K, but qkv and gate_up have wide outputs (N > K)
+    qkv4, gate_up4, o4, down4 = (6144, 2560), (19456, 2560), (2560, 4096), (2560, 9728)
+    for rows in (1, 16, 64):
+        assert w8a8_kernel(rows, *qkv4, partial=False) == "cublas"
+        assert w8a8_kernel(rows, *gate_up4, partial=False) == "cublas"
+        assert w8a8_kernel(rows, *o4, partial=True) == "triton"
+        assert w8a8_kernel(rows, *down4, partial=True) == "triton"
