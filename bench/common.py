@@ -25,6 +25,8 @@ QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=28,
                  intermediate_size=3072, tie_word_embeddings=True, rope_theta=1e6,
                  max_position_embeddings=40960, rms_norm_eps=1e-6)
 QWEN3_17B = dict(QWEN3_06B, hidden_size=2048, intermediate_size=6144)
+QWEN3_4B = dict(QWEN3_06B, hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+                intermediate_size=9728)
 QWEN3_MOE_SMALL = dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=8,
                        num_attention_heads=16, num_key_value_heads=4, head_dim=128,
                        intermediate_size=3072, num_experts=64, num_experts_per_tok=8,

@@ -46,7 +46,7 @@ import time
 
 import torch
 
-from bench.common import (QWEN3_06B, QWEN3_MOE_SMALL, TINY, TINY_MOE, attention_choices,
+from bench.common import (QWEN3_06B, QWEN3_4B, QWEN3_MOE_SMALL, TINY, TINY_MOE, attention_choices,
                           device_info, hf_config, measure_bf16_peak, measure_copy_bandwidth,
                           parse_args, random_model, sync, write_results)
 
@@ -73,6 +73,13 @@ def roofline_seconds(shape, weight_bytes: int, batch: int, prompt: int, new: int
     for step in range(1, new):
         t += (w_step + batch * (prompt + step) * kv_token) / bw
     return t
+
+
+# Engines timed together per model where one H200's memory cannot hold all four caches of
+# 256 x 1,152 tokens at once (Qwen3-4B: 43.5 GB per BF16 cache); each group pairs with native
+# bf16. Others: the four in one group.
+GROUPS = {"dense4b": [[("none", "auto"), ("fp8", "fp8"), ("none", "fp8")],
+                      [("none", "auto"), ("fp8", "auto")]]}
 
 
 def _call_seconds(engine, prompts, new: int) -> float:
@@ -150,7 +157,13 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0], lambda p: (
         p.add_argument("--batches", default="64,256"), p.add_argument("--new", default="128,1024"),
         p.add_argument("--prompt-len", type=int, default=128),
-        p.add_argument("--models", default="dense,moe"),
+        p.add_argument("--models", default="dense,moe",
+                       help="comma list of dense (Qwen3-0.6B), moe (Qwen3-MoE-small), dense4b "
+                            "(Qwen3-4B: not in the default list)"),
+        p.add_argument("--speed-only", action="store_true",
+                       help="only the four engines the targets compare, timed in rounds: no HF "
+                            "generate, no split-K-summing or other --attention variants, no "
+                            "max_seqs"),
         p.add_argument("--hf-max-new", type=int, default=128),
         p.add_argument("--mem-fraction", type=float, default=0.85),
         p.add_argument("--overhead-gb", type=float, default=5.0),
@@ -167,7 +180,8 @@ def main() -> None:
     bw = measure_copy_bandwidth(device, 2.0 if gpu else 0.02) * 1e9
     peak = measure_bf16_peak(device, 8192 if gpu else 256) * 1e12
     shapes = {"dense": ("qwen3", QWEN3_06B if gpu else TINY, "Qwen3-0.6B"),
-              "moe": ("qwen3_moe", QWEN3_MOE_SMALL if gpu else TINY_MOE, "Qwen3-MoE-small")}
+              "moe": ("qwen3_moe", QWEN3_MOE_SMALL if gpu else TINY_MOE, "Qwen3-MoE-small"),
+              "dense4b": ("qwen3", QWEN3_4B if gpu else TINY, "Qwen3-4B")}
     rows = []
     g = torch.Generator().manual_seed(0)
     if not gpu:
@@ -262,9 +276,12 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache() if gpu else None
 
+        timed: set[tuple[str, int, int]] = set()
+
         def time_group(group: dict, paired: bool) -> None:
             """Every shape of `group` {name: (engine, cfg)} in rounds (`run_rounds`); paired:
-            vs_native_bf16 is the median of the per-round ratios to "native bf16" in it."""
+            vs_native_bf16 is the median of the per-round ratios to "native bf16" in it (whose
+            own rows come from the first group it was timed in)."""
             for b in batches:
                 for new in news:
                     times = run_rounds({n: e for n, (e, _) in group.items()}, prompts[b], new,
@@ -288,28 +305,39 @@ def main() -> None:
                             ratios = [t0 / t for t0, t in zip(times["native bf16"], times[name])]
                             row.update(vs_native_bf16=statistics.median(ratios),
                                        vs_bf16_range=f"{min(ratios):.3f}-{max(ratios):.3f}")
-                        save(row)
+                        if (name, b, new) not in timed:
+                            timed.add((name, b, new))
+                            save(row)
 
         # The four engines the targets compare, side by side in rounds (one GPU memory holds
-        # their caches); then, one at a time, the FP8 engine with our split-K GEMM summing its
-        # own partials (the path before the RMSNorm summed them, `NativeQwen3.fused_partials`),
-        # the other --attention modes, and HF generate.
+        # their caches; Qwen3-4B's in two groups sharing native bf16); then, one at a time, the
+        # FP8 engine with our split-K GEMM summing its own partials (the path before the RMSNorm
+        # summed them, `NativeQwen3.fused_partials`), the other --attention modes, and HF
+        # generate (not with --speed-only).
         main_four = [("fp8", "auto"), ("fp8", "fp8"), ("none", "auto"), ("none", "fp8")]
-        group = {}
-        for quant, kv in main_four:
-            name, engine, cfg = build(quant, kv, True, *modes[0])
-            group[name] = (engine, cfg)
-        time_group(group, paired=True)
-        for engine, _ in group.values():
-            free(engine)
-        for name, (engine, _) in group.items():  # as many sequences whatever the kernels
-            wbytes = engine.model.weight_bytes()
-            budget = args.mem_fraction * total_mem - wbytes - args.overhead_gb * 1e9
-            seqs, cache_gb = max_sequences(engine, budget)
-            save({"model": label, "engine": name, "weight_GB": wbytes / 1e9,
-                  "max_seqs": seqs, "cache_GB": cache_gb})
-        del group, engine
-        gc.collect()
+        groups = GROUPS.get(key, [main_four])
+        for members in groups:
+            group = {}
+            for quant, kv in members:
+                name, engine, cfg = build(quant, kv, True, *modes[0])
+                group[name] = (engine, cfg)
+            time_group(group, paired=True)
+            for engine, _ in group.values():
+                free(engine)
+            for name, (engine, _) in group.items():  # as many sequences whatever the kernels
+                if args.speed_only:
+                    continue
+                wbytes = engine.model.weight_bytes()
+                budget = args.mem_fraction * total_mem - wbytes - args.overhead_gb * 1e9
+                seqs, cache_gb = max_sequences(engine, budget)
+                save({"model": label, "engine": name, "weight_GB": wbytes / 1e9,
+                      "max_seqs": seqs, "cache_GB": cache_gb})
+            del group, engine
+            gc.collect()
+        if args.speed_only:
+            del hf, state
+            gc.collect()
+            continue
         others = [("fp8", "auto", False, modes[0])] + [
             (q, kv, True, m) for m in modes[1:] for q, kv in main_four]
         for quant, kv, fused, mode in others:
