@@ -1,6 +1,7 @@
 """Rollout throughput: native engine (FP8 and BF16 weights, BF16 or FP8 KV cache) vs HF `generate`
-(BF16) vs the decode roofline, on random Qwen3-0.6B-shaped and small Qwen3-MoE-shaped models, one
-GPU; and how many sequences each native configuration holds in the same memory.
+(BF16) vs the decode roofline, on random Qwen3-0.6B-shaped and small Qwen3-MoE-shaped models (and,
+with `--models dense4b`, Qwen3-4B-shaped), one GPU; and how many sequences each native
+configuration holds in the same memory.
 
 Every configuration: `--batches` prompts of `--prompt-len` random tokens, exactly `new` sampled
 tokens each (temperature 1, no EOS), tokens/s = batch x new / wall time of the whole call
