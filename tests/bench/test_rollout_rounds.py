@@ -8,10 +8,11 @@ from bench import rollout
 
 
 class FakeEngine:
-    """Records its calls in a shared log; each generate call of `new` tokens 'takes' `secs`."""
+    """Records its calls in a shared log; each generate call moves the shared clock (the
+    patched perf_counter) by `secs`."""
 
-    def __init__(self, name, log, secs):
-        self.name, self.log, self.secs = name, log, secs
+    def __init__(self, name, log, clock, secs):
+        self.name, self.log, self.clock, self.secs = name, log, clock, secs
 
     def generate(self, prompts, sampling):
         self.log.append((self.name, sampling.max_new_tokens))
@@ -24,12 +25,7 @@ def _engines(monkeypatch, secs):
     monkeypatch.setattr(rollout.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(rollout, "sync", lambda: None)
     log = []
-    engines = {}
-    for name, s in secs.items():
-        e = FakeEngine(name, log, s)
-        e.clock = clock
-        engines[name] = e
-    return engines, log
+    return {name: FakeEngine(name, log, clock, s) for name, s in secs.items()}, log
 
 
 def test_each_round_calls_every_engine_once_rotating_the_order(monkeypatch):
