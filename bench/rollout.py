@@ -133,15 +133,20 @@ def run_hf(model, prompts, new: int) -> float:
     return time.perf_counter() - t0
 
 
+def release_cache(engine) -> None:
+    """Drop the engine's graphs and KV cache, and give their memory back (weights stay)."""
+    engine.shutdown()                      # the captured graphs point into the cache
+    engine.model.cache, engine.model.cache_rows = None, 0
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
 def max_sequences(engine, budget: float) -> tuple[int, float]:
     """(sequences of max_model_len whose cache fits in `budget` bytes, GB of that cache as
     allocated). Drops the engine's graphs and cache: call it last."""
     model = engine.model
     rows = model.max_cache_rows(budget)
-    engine.shutdown()                      # the captured graphs point into the old cache
-    model.cache, model.cache_rows = None, 0
-    gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    release_cache(engine)
     model.ensure_cache(rows)
     c = model.cache
     got = sum(t.numel() * t.element_size() for t in (c.k, c.v, c.k_exp, c.v_exp) if t is not None)
@@ -254,6 +259,7 @@ def main() -> None:
         state = full_state_for_engine(hf)
         prompts = {b: torch.randint(2, shape.vocab, (b, prompt_len), generator=g).tolist()
                    for b in batches}
+
         def build(quant: str, kv: str, fused: bool, mode: str, fixed: int | None):
             """(engine name, engine, its RolloutConfig)."""
             cfg = RolloutConfig(engine="native", quantization=quant, max_batch_size=max(batches),
@@ -270,12 +276,6 @@ def main() -> None:
                 f" ({fixed} splits)" if fixed is not None else
                 "" if mode == "single" else f" ({mode} attention)")
             return name, engine, cfg
-
-        def free(engine) -> None:
-            engine.shutdown()
-            engine.model.cache, engine.model.cache_rows = None, 0
-            gc.collect()
-            torch.cuda.empty_cache() if gpu else None
 
         timed: set[tuple[str, int, int]] = set()
 
@@ -324,42 +324,38 @@ def main() -> None:
                 group[name] = (engine, cfg)
             time_group(group, paired=True)
             for engine, _ in group.values():
-                free(engine)
+                release_cache(engine)
             for name, (engine, _) in group.items():  # as many sequences whatever the kernels
-                if args.speed_only:
-                    continue
-                wbytes = engine.model.weight_bytes()
-                budget = args.mem_fraction * total_mem - wbytes - args.overhead_gb * 1e9
-                seqs, cache_gb = max_sequences(engine, budget)
-                save({"model": label, "engine": name, "weight_GB": wbytes / 1e9,
-                      "max_seqs": seqs, "cache_GB": cache_gb})
+                if not args.speed_only:
+                    wbytes = engine.model.weight_bytes()
+                    budget = args.mem_fraction * total_mem - wbytes - args.overhead_gb * 1e9
+                    seqs, cache_gb = max_sequences(engine, budget)
+                    save({"model": label, "engine": name, "weight_GB": wbytes / 1e9,
+                          "max_seqs": seqs, "cache_GB": cache_gb})
             del group, engine
             gc.collect()
-        if args.speed_only:
-            del hf, state
-            gc.collect()
-            continue
-        others = [("fp8", "auto", False, modes[0])] + [
-            (q, kv, True, m) for m in modes[1:] for q, kv in main_four]
-        for quant, kv, fused, mode in others:
-            name, engine, cfg = build(quant, kv, fused, *mode)
-            time_group({name: (engine, cfg)}, paired=False)
-            free(engine)
-            del engine
-        hf_bytes = sum(t.numel() * t.element_size() for t in hf.parameters())
-        for b in batches:
-            for new in news:
-                row = {"model": label, "engine": "HF generate bf16", "batch": b,
-                       "new_tokens": new, "weight_GB": hf_bytes / 1e9}
-                roof = roofline_seconds(shape, hf_bytes, b, prompt_len, new, bw, peak)
-                row["roofline_tokens_per_s"] = b * new / roof
-                if new <= args.hf_max_new:
-                    secs = run_hf(hf, prompts[b], new)
-                    row.update(seconds=secs, tokens_per_s=b * new / secs,
-                               fraction_of_roofline=roof / secs)
-                else:
-                    row["seconds"] = "not run"
-                save(row)
+        if not args.speed_only:   # the variants and HF generate
+            others = [("fp8", "auto", False, modes[0])] + [
+                (q, kv, True, m) for m in modes[1:] for q, kv in main_four]
+            for quant, kv, fused, mode in others:
+                name, engine, cfg = build(quant, kv, fused, *mode)
+                time_group({name: (engine, cfg)}, paired=False)
+                release_cache(engine)
+                del engine
+            hf_bytes = sum(t.numel() * t.element_size() for t in hf.parameters())
+            for b in batches:
+                for new in news:
+                    row = {"model": label, "engine": "HF generate bf16", "batch": b,
+                           "new_tokens": new, "weight_GB": hf_bytes / 1e9}
+                    roof = roofline_seconds(shape, hf_bytes, b, prompt_len, new, bw, peak)
+                    row["roofline_tokens_per_s"] = b * new / roof
+                    if new <= args.hf_max_new:
+                        secs = run_hf(hf, prompts[b], new)
+                        row.update(seconds=secs, tokens_per_s=b * new / secs,
+                                   fraction_of_roofline=roof / secs)
+                    else:
+                        row["seconds"] = "not run"
+                    save(row)
         del hf, state
         gc.collect()
         torch.cuda.empty_cache() if gpu else None
