@@ -9,6 +9,7 @@
 #    fp8gemm_sweep: the same with w8a16's launch settings swept per shape)
 #   (decode_profile: bench/decode_profile.py alone, single-pass attention)
 #   (decode_attention: the decode attention kernel alone, BF16 vs FP8 KV over its settings)
+#   (sampling: the per-step sampler alone, ours vs the torch paths vs the logits read once)
 #   (r3: routing replay, native FP8 engine vs BF16 trainer model; not in the default list)
 #   (tests_sync_only: the sync test without the RL step)
 #   (profile: where a decode step's time goes, bench/decode_profile.py, single-pass vs split-K
@@ -77,6 +78,7 @@ for s in $sections; do
         decode_profile) run decode_profile 300 python3 -m bench.decode_profile --attention single \
                             --out "$OUT" ;;
         decode_attention) run decode_attention 240 python3 -m bench.decode_attention --out "$OUT" ;;
+        sampling) run sampling 120 python3 -m bench.sampling --out "$OUT" ;;
         profile) run decode_profile 420 python3 -m bench.decode_profile --out "$OUT"
                  # each decode attention kernel alone (split: its split and combine kernels)
                  for attn in single split; do

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
                                          ("train", "deepspeed"), ("async_rl", "deepspeed"),
                                          ("v4_attention", None), ("routing_replay", None),
                                          ("fp8_gemm", None), ("moe_actor", "deepspeed"),
-                                         ("decode_profile", None), ("decode_attention", None)])
+                                         ("decode_profile", None), ("decode_attention", None),
+                                         ("sampling", None)])
 def test_benchmark_smoke_mode(name, needs, tmp_path):
     if needs:
         pytest.importorskip(needs)

@@ -475,77 +475,66 @@ if triton is not None:
         tl.store(o_ptr + bh * D + d, out.to(o_ptr.dtype.element_ty))
 
     @triton.jit
-    def _race(x_ptr, cols, hi, u, inv_t, m, s_exp, best, best_idx):
-        """One quarter-tile of `_sample_chunk_kernel`: the running (max, sum of exp) and the
-        best Gumbel key and its column, per lane, updated by the logits at `cols` (< hi) and
-        their uniforms `u`."""
-        valid = cols < hi
-        x = tl.load(x_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, x)
-        s_exp = (tl.where(m == float("-inf"), 0.0, s_exp * tl.exp(m - m_new))
-                 + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new)))
-        u = tl.maximum(u, 1e-30)                                   # [0, 1) -> (0, 1)
-        key = tl.where(valid, x * inv_t - tl.log(-tl.log(u)), float("-inf"))
-        better = key > best
-        return (m_new, s_exp, tl.where(better, key, best), tl.where(better, cols, best_idx))
-
-    @triton.jit
-    def _sample_chunk_kernel(x_ptr, seed_ptr, m_ptr, s_ptr, key_ptr, idx_ptr, inv_t, V, stride,
-                             chunk, NCH, BLOCK: tl.constexpr):
-        """Chunk `c` of row `row`'s logits: the row's running max and sum of exp (its log-sum-exp,
-        temperature 1) and its best Gumbel key x / T - log(-log(u)) and where, u ~ U(0, 1) from
-        Philox keyed by the step's seed + row. One Philox call gives four uniforms (`rand4x`):
-        counter i of a BLOCK-wide tile at `off` serves tokens off + i + j * BLOCK / 4, j < 4
-        (counters off / 4 + i: distinct over the row, as chunks start at multiples of BLOCK).
-        The race is compute-bound (Philox, two logs and an exp per token), so this cuts it."""
-        Q: tl.constexpr = BLOCK // 4
+    def _sample_tiles_kernel(x_ptr, m_ptr, s1_ptr, st_ptr, inv_t, V, stride, NT, tiles_per,
+                             BLOCK: tl.constexpr, TEMP1: tl.constexpr):
+        """Tiles [p * tiles_per, (p + 1) * tiles_per) of row `row`'s logits, BLOCK wide: each
+        tile's max m, sum of exp(x - m) (temperature 1: the log-sum-exp) and sum of
+        exp((x - m) / T) (the sampling mass; the same sum when TEMP1). One exp per logit (two at
+        T != 1) and no noise: the logits are read once, at the memory's pace."""
         row = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1)
-        seed = tl.load(seed_ptr) + row
-        lo = c * chunk
-        hi = tl.minimum(lo + chunk, V)
-        lanes = tl.arange(0, Q)
+        t0 = tl.program_id(1) * tiles_per
+        cols = tl.arange(0, BLOCK)
         xr = x_ptr + row * stride
-        m = tl.full((Q,), float("-inf"), tl.float32)
-        s_exp = tl.zeros((Q,), tl.float32)
-        best = tl.full((Q,), float("-inf"), tl.float32)
-        best_idx = tl.zeros((Q,), tl.int32)
-        for off in range(lo, hi, BLOCK):
-            u0, u1, u2, u3 = tl.rand4x(seed, off // 4 + lanes)
-            m, s_exp, best, best_idx = _race(xr, off + lanes, hi, u0, inv_t, m, s_exp, best,
-                                             best_idx)
-            m, s_exp, best, best_idx = _race(xr, off + Q + lanes, hi, u1, inv_t, m, s_exp,
-                                             best, best_idx)
-            m, s_exp, best, best_idx = _race(xr, off + 2 * Q + lanes, hi, u2, inv_t, m, s_exp,
-                                             best, best_idx)
-            m, s_exp, best, best_idx = _race(xr, off + 3 * Q + lanes, hi, u3, inv_t, m, s_exp,
-                                             best, best_idx)
-        row_max = tl.max(m, axis=0)
-        total = tl.sum(tl.where(m == float("-inf"), 0.0, s_exp * tl.exp(m - row_max)), axis=0)
-        top = tl.max(best, axis=0)
-        # the smallest token id among lanes holding the best key (ties: any draw is fine)
-        top_idx = tl.min(tl.where(best == top, best_idx, 2147483647), axis=0)
-        part = row * NCH + c
-        tl.store(m_ptr + part, row_max)
-        tl.store(s_ptr + part, total)
-        tl.store(key_ptr + part, top)
-        tl.store(idx_ptr + part, top_idx)
+        for t in range(t0, tl.minimum(t0 + tiles_per, NT)):
+            c = t * BLOCK + cols
+            x = tl.load(xr + c, mask=c < V, other=float("-inf")).to(tl.float32)
+            m = tl.max(x, axis=0)
+            d = x - tl.where(m == float("-inf"), 0.0, m)       # a tile all -inf: no NaN
+            s1 = tl.sum(tl.exp(d), axis=0)
+            tl.store(m_ptr + row * NT + t, m)
+            tl.store(s1_ptr + row * NT + t, s1)
+            if not TEMP1:
+                tl.store(st_ptr + row * NT + t, tl.sum(tl.exp(d * inv_t), axis=0))
 
     @triton.jit
-    def _sample_combine_kernel(x_ptr, m_ptr, s_ptr, key_ptr, idx_ptr, tok_ptr, lp_ptr, stride,
-                               NCH, NCHP: tl.constexpr):
+    def _sample_pick_kernel(x_ptr, seed_ptr, m_ptr, s1_ptr, st_ptr, tok_ptr, lp_ptr, inv_t, V,
+                            stride, NT, NTP: tl.constexpr, BLOCK: tl.constexpr,
+                            TEMP1: tl.constexpr):
+        """Row `row`'s draw from softmax(x / T) by inverse CDF in two levels, two uniforms from
+        Philox keyed by the step's seed + row: u1 picks a tile in proportion to its mass (the
+        first whose running sum exceeds u1 x the total), u2 a logit in that tile in proportion to
+        exp((x - m_tile) / T). A tile or logit of zero mass never passes the running sum's step,
+        so -inf logits are never drawn. Also the temperature-1 log-prob x[tok] - lse."""
         row = tl.program_id(0).to(tl.int64)
-        c = tl.arange(0, NCHP)
-        ok = c < NCH
-        m = tl.load(m_ptr + row * NCH + c, mask=ok, other=float("-inf"))
-        s_exp = tl.load(s_ptr + row * NCH + c, mask=ok, other=0.0)
-        key = tl.load(key_ptr + row * NCH + c, mask=ok, other=float("-inf"))
-        idx = tl.load(idx_ptr + row * NCH + c, mask=ok, other=2147483647)
-        row_max = tl.max(m, axis=0)
-        lse = row_max + tl.log(tl.sum(tl.where(m == float("-inf"), 0.0,
-                                               s_exp * tl.exp(m - row_max)), axis=0))
-        top = tl.max(key, axis=0)
-        tok = tl.min(tl.where(key == top, idx, 2147483647), axis=0)
+        t = tl.arange(0, NTP)
+        ok = t < NT
+        m = tl.load(m_ptr + row * NT + t, mask=ok, other=float("-inf"))
+        s1 = tl.load(s1_ptr + row * NT + t, mask=ok, other=0.0)
+        mx = tl.max(m, axis=0)
+        live = m != float("-inf")
+        m_rel = tl.where(live, m - mx, 0.0)                # dead tiles weigh 0 through s1 = 0
+        lse = mx + tl.log(tl.sum(s1 * tl.exp(m_rel), axis=0))
+        if TEMP1:
+            st = s1
+        else:
+            st = tl.load(st_ptr + row * NT + t, mask=ok, other=0.0)
+        mass = st * tl.exp(m_rel * inv_t)
+        run = tl.cumsum(mass, axis=0)
+        u = tl.rand(tl.load(seed_ptr) + row, tl.arange(0, 2))
+        u1 = tl.sum(tl.where(tl.arange(0, 2) == 0, u, 0.0), axis=0)
+        u2 = tl.sum(tl.where(tl.arange(0, 2) == 1, u, 0.0), axis=0)
+        # u < 1, yet u x total may round up to the total: never past the last tile (logit) with
+        # mass.
+        pick = tl.minimum(tl.sum((run <= u1 * tl.max(run, axis=0)).to(tl.int32), axis=0),
+                          tl.max(tl.where(mass > 0, t, 0), axis=0))
+        m_pick = tl.sum(tl.where(t == pick, m, 0.0), axis=0)
+        c = pick * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride + c, mask=c < V, other=float("-inf")).to(tl.float32)
+        e = tl.where(x == float("-inf"), 0.0, tl.exp((x - m_pick) * inv_t))
+        run_x = tl.cumsum(e, axis=0)
+        j = tl.minimum(tl.sum((run_x <= u2 * tl.max(run_x, axis=0)).to(tl.int32), axis=0),
+                       tl.max(tl.where(e > 0, tl.arange(0, BLOCK), 0), axis=0))
+        tok = pick * BLOCK + j
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(lp_ptr + row, tl.load(x_ptr + row * stride + tok).to(tl.float32) - lse)
 
@@ -1036,37 +1025,35 @@ def w8a8_linear(x: torch.Tensor | QuantAct, w: torch.Tensor, scale: torch.Tensor
 
 
 _SAMPLE_BLOCK = 1024
-_SAMPLE_PROGRAMS = 1056          # ~8 per SM of an H200: the chunk count per row aims at this
+_SAMPLE_PROGRAMS = 1056          # ~8 per SM of an H200: the programs per row aim at this
 
 
 def sample_temperature(logits: torch.Tensor, temperature: float, seed: torch.Tensor,
                        chunks: int | None = None, block: int = _SAMPLE_BLOCK
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (B, V) on the GPU, fp32 or bf16 (read as fp32) -> (tokens (B,) int64,
-    temperature-1 log-probs (B,) fp32): a draw
-    from softmax(logits / temperature) per row (Gumbel-max: the argmax of logits / T + Gumbel
-    noise), reading the logits once. `seed`: int32 (1,) device tensor, drawn per step from the
-    engine's seeded generator, so a seeded run repeats. `chunks`: vocabulary chunks per row
-    (None: enough for ~8 programs per SM), each a whole number of `block`-wide tiles (tests
-    shrink them to reach several chunks on a small vocabulary)."""
+    temperature-1 log-probs (B,) fp32): a draw from softmax(logits / temperature) per row by
+    inverse CDF over `block`-wide tiles (`_sample_pick_kernel`), reading the logits once plus
+    one tile. `seed`: int32 (1,) device tensor, drawn per step from the engine's seeded
+    generator, so a seeded run repeats. `chunks`: programs per row of the tile pass (None:
+    enough for ~8 programs per SM; tests raise it to reach several on a small vocabulary)."""
     b, v = logits.shape
-    if block % 4:
-        raise ValueError(f"sample_temperature: block must be a multiple of 4 (four uniforms per "
-                         f"Philox call), got {block}")
+    nt = triton.cdiv(v, block)
     if chunks is None:
         chunks = max(1, min(64, -(-_SAMPLE_PROGRAMS // b)))
-    chunk = triton.cdiv(triton.cdiv(v, chunks), block) * block
-    nch = triton.cdiv(v, chunk)            # every chunk holds at least one token
+    per = triton.cdiv(nt, min(chunks, nt))
     dev = logits.device
-    m = torch.empty(b, nch, dtype=torch.float32, device=dev)
-    s_exp, key = torch.empty_like(m), torch.empty_like(m)
-    idx = torch.empty(b, nch, dtype=torch.int32, device=dev)
-    _sample_chunk_kernel[(b, nch)](logits, seed, m, s_exp, key, idx, 1.0 / temperature, v,
-                                   logits.stride(0), chunk, nch, BLOCK=block)
+    m = torch.empty(b, nt, dtype=torch.float32, device=dev)
+    s1 = torch.empty_like(m)
+    temp1 = temperature == 1.0
+    st = s1 if temp1 else torch.empty_like(m)
+    _sample_tiles_kernel[(b, triton.cdiv(nt, per))](logits, m, s1, st, 1.0 / temperature, v,
+                                                    logits.stride(0), nt, per, BLOCK=block,
+                                                    TEMP1=temp1)
     tok = torch.empty(b, dtype=torch.int64, device=dev)
     lp = torch.empty(b, dtype=torch.float32, device=dev)
-    _sample_combine_kernel[(b,)](logits, m, s_exp, key, idx, tok, lp, logits.stride(0), nch,
-                                 NCHP=_next_pow2(nch))
+    _sample_pick_kernel[(b,)](logits, seed, m, s1, st, tok, lp, 1.0 / temperature, v,
+                              logits.stride(0), nt, NTP=_next_pow2(nt), BLOCK=block, TEMP1=temp1)
     return tok, lp
 
 

@@ -1,9 +1,10 @@
 """Sampling for the `native` engine: temperature, top-k, top-p from fp32 logits, returning the
 raw temperature-1 log-probs of the drawn tokens (the convention in `rl.rollout.base`).
 
-On a GPU, plain temperature sampling (no top-k / top-p; RL's usual setting) runs as one Triton
-pass over the logits (`kernels.sample_temperature`); the torch path below reads and writes the
-(B, vocabulary) logits five to six times (log-sum-exp, softmax, the exponential race, argmax)."""
+On a GPU, plain temperature sampling (no top-k / top-p; RL's usual setting) runs as two Triton
+launches that read the logits once (`kernels.sample_temperature`, inverse CDF over vocabulary
+tiles); the torch path (`sample_torch`) reads and writes the (B, vocabulary) logits five to six
+times (log-sum-exp, softmax, the exponential race, argmax)."""
 from __future__ import annotations
 
 import torch
@@ -21,6 +22,12 @@ def sample_tokens(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator
         seed = torch.randint(0, 2 ** 31 - 1, (1,), generator=gen, dtype=torch.int32,
                              device=logits.device)
         return K.sample_temperature(logits, sp.temperature, seed)
+    return sample_torch(logits, sp, gen)
+
+
+def sample_torch(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_tokens` in torch ops, on any device and with top-k / top-p."""
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1)
     if sp.greedy:

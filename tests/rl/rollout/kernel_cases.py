@@ -109,10 +109,11 @@ def cache_write_heads_cases(K, r, close, DT, device, tl_scale) -> None:
 
 
 def sampling_cases(K, device: str) -> None:
-    """`sample_temperature` (one pass, Gumbel-max over vocabulary chunks): the drawn tokens
-    follow softmax(x / T) (total variation over many rows of the same logits: 4,000 on a GPU,
-    600 under the interpreter, which runs each program in numpy), their log-probs are
-    log_softmax(x) at the token, -inf logits are never drawn, a seed repeats its draws."""
+    """`sample_temperature` (inverse CDF over vocabulary tiles): the drawn tokens follow
+    softmax(x / T) (total variation over many rows of the same logits: 4,000 on a GPU, 600 under
+    the interpreter, which runs each program in numpy), also with a whole tile at -inf, their
+    log-probs are log_softmax(x) at the token, -inf logits are never drawn, a seed repeats its
+    draws."""
     g = torch.Generator().manual_seed(11)
     gpu = device != "cpu"
     v, rows, bound = (40, 4000, 0.05) if gpu else (8, 600, 0.1)   # noise: ~0.03 / ~0.05
@@ -121,17 +122,20 @@ def sampling_cases(K, device: str) -> None:
     x[5] = float("-inf")
     logits = x[None].expand(rows, v).contiguous()
     seed = torch.tensor([1234], dtype=torch.int32, device=device)
-    for temp, chunks in ((1.0, 1), (0.7, 3)):
-        tok, lp = K.sample_temperature(logits, temp, seed, chunks=chunks, block=block)
+    dead = x.clone()
+    dead[block:2 * block] = float("-inf")          # the whole second tile
+    for temp, chunks, xs in ((1.0, 1, x), (0.7, 3, x), (1.3, 2, dead)):
+        rows_x = xs[None].expand(rows, v).contiguous()
+        tok, lp = K.sample_temperature(rows_x, temp, seed, chunks=chunks, block=block)
         freq = torch.bincount(tok.cpu(), minlength=v).float() / rows
-        want = (x.float().cpu() / temp).softmax(-1)
+        want = (xs.float().cpu() / temp).softmax(-1)
         tv = 0.5 * (freq - want).abs().sum().item()
         print(f"sample T={temp} chunks={chunks}: total variation {tv:.3f}")
         if not tv < bound:
             raise Mismatch(f"sampled frequencies off softmax(x / {temp}): TV {tv}")
-        if (tok == 5).any():
+        if torch.isinf(xs[tok]).any():
             raise Mismatch("a -inf logit was drawn")
-        close(f"sample T={temp} log-probs", lp, torch.log_softmax(x.float(), -1)[tok], 1e-5)
+        close(f"sample T={temp} log-probs", lp, torch.log_softmax(xs.float(), -1)[tok], 1e-5)
     few = logits[:40]
     tok, _ = K.sample_temperature(few, 1.0, seed, chunks=3, block=block)
     if not torch.equal(tok, K.sample_temperature(few, 1.0, seed, chunks=3, block=block)[0]):

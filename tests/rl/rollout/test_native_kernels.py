@@ -26,6 +26,7 @@ def test_triton_kernels_match_torch_references_in_the_interpreter():
     assert "fp8_mma=(True, False)" in proc.stdout
     for case in ("act quant values K=200", "rmsnorm+quant scales", "silu_mul+quant scales",
                  "sample half-precision logits = their fp32 copy", "w8a8 triton 40x1024x256",
+                 "sample T=1.3 chunks=2",
                  "attention+quant fp8 splits=1 scales", "attention+quant bf16 splits=1 scales"):
         assert case in proc.stdout, case
 
