@@ -2,8 +2,8 @@
 
 At decode every linear is a skinny GEMM (M = batch rows, K and N the model's), bound by reading
 the weight. FP8 halves those bytes, so its ceiling is ~2x BF16's at small M; at Qwen3-0.6B's shapes
-every GEMM sits at a latency floor instead (bench/results/rollout.md: the FP8-weight engine is
-0.83-0.95x the BF16 one). This measures, per shape, side by side in one run:
+every GEMM sits near a latency floor instead (BF16: 5-8 us against 1-3 us of weight reads;
+Qwen3-4B's are larger). This measures, per shape, side by side in one run:
 - `bf16`: F.linear on the BF16 weight (cuBLAS), the BF16 engine's path;
 - `w8a16 (ours)`: `rl.rollout.native.kernels.w8a16_linear`, the FP8 engine's Triton kernel
   (e4m3 weight with 128x128 block scales, dequantised in the kernel, BF16 activations);
@@ -13,13 +13,16 @@ every GEMM sits at a latency floor instead (bench/results/rollout.md: the FP8-we
   (128x128 scales) times activations in 1x128 blocks, cuBLAS's DeepSeek-style block-scaled
   GEMM; `w8a8 block` alone on pre-quantised activations, `+quant` with our Triton quantiser;
 - `w8a8 triton`: `kernels.w8a8_triton`, the same block-scaled product in our Triton kernel
-  (narrow tiles, split-K), default tiles and the best of a small sweep;
+  (TMA-fed, pipelined, split-K for narrow outputs), default tiles and the best of a small sweep;
+- `engine`: the kernel the FP8 engine's "auto" takes at that shape (`model.w8a8_kernel`) and
+  its time as the engine runs it (o / down split over K: the partials plus the RMSNorm's extra
+  reads);
 - the roofline: weight bytes / measured HBM copy bandwidth (what a weight-bound GEMM can reach).
 Times: 64 calls captured in one CUDA graph (as the engine's decode runs them; no launch
 latency), median over replays; the weights rotate through 16 copies (more than L2 holds) so
 each call reads HBM.
-Qwen3-0.6B decode shapes (qkv, o, gate_up, down; the engine fuses qkv and gate+up) at M = 64
-and 256, and a Qwen3-30B-A3B-sized dense row for scale.
+Qwen3-0.6B and Qwen3-4B decode shapes (qkv, o, gate_up, down; the engine fuses qkv and
+gate+up) at M = 64 and 256, and a Qwen3-30B-A3B-sized dense row for scale.
 
 `--sweep`: also time `w8a16_linear` over its launch settings (tile BM x BN x BK, K splits,
 warps, stages) per shape and report the fastest next to the default (`w8a16 best us`,
@@ -35,10 +38,11 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from bench.common import (QWEN3_06B, device_info, measure_copy_bandwidth, parse_args,
+from bench.common import (QWEN3_06B, QWEN3_4B, device_info, measure_copy_bandwidth, parse_args,
                           write_results)
 from rl.quant.block_fp8 import quantize_act_group
 from rl.quant.fast_quant import quantize_act_fast
+from rl.rollout.native.model import w8a8_kernel
 
 
 def shapes(fields: dict) -> dict[str, tuple[int, int]]:
@@ -156,13 +160,13 @@ def case(m: int, n: int, k: int, device: str, smoke: bool, do_sweep: bool = Fals
             x, wq[(j := next(it) % rot)], ws[j], impl="triton"))
         out["act_quant"] = time_cuda(lambda: quantize_act_fast(x, 4))
         # our Triton W8A8 kernel on the same quantised operands: default tiles, then the
-        # fastest of a small sweep (BN x split; the engine's choice is set from it)
+        # fastest of a small sweep (BN x split x stages; the engine's choice is set from it)
         tri = K.w8a8_triton(xq8, wq[0], ws[0]).float()
         out["w8a8_triton_vs_emulation"] = ((tri - emu).norm() / emu.norm()).item()
         out["w8a8_triton"] = time_cuda(lambda: K.w8a8_triton(
             xq8, wq[(j := next(it) % rot)], ws[j]))
         best = (float("inf"), {})
-        for bn, sp, st in itertools.product((32, 64, 128), (1, 2, 4), (3, 4)):
+        for bn, sp, st in itertools.product((64, 128), (1, 2, 3, 4, 6, 8, 12), (3, 4)):
             cfg = dict(BN=bn, split=sp, num_stages=st)
             t = time_cuda(lambda: K.w8a8_triton(xq8, wq[(j := next(it) % rot)], ws[j],
                                                  tiles=cfg), reps=32, iters=8)
@@ -193,13 +197,14 @@ def main() -> None:
                   num_attention_heads=4, num_key_value_heads=2) if args.smoke else QWEN3_06B
     per = shapes(fields)
     if not args.smoke:
+        per.update({f"4B {key}": nk for key, nk in shapes(QWEN3_4B).items()})
         per["30B-A3B o (dense 4096x8192)"] = (4096, 8192)
     bw = None if args.smoke else measure_copy_bandwidth(device)
     rows = []
     for m in ([4] if args.smoke else args.m):
         for name, (n, k) in per.items():
-            r = case(m, n, k, device, args.smoke, args.sweep, feeds_norm=n == fields[
-                "hidden_size"] or name.startswith("30B"))
+            feeds_norm = name.split()[-1] in ("o", "down") or name.startswith("30B")
+            r = case(m, n, k, device, args.smoke, args.sweep, feeds_norm=feeds_norm)
             row = {"shape": name, "M": m, "N": n, "K": k, **{
                 f"{key} us": v * 1e6 for key, v in r.items()
                 if key in ("bf16", "w8a16", "w8a16_best", "w8a8", "w8a8_quant", "w8a8_block",
@@ -235,12 +240,21 @@ def main() -> None:
                     row["splits"] = r["splits"]
                     row["w8a8 triton partial+norm / bf16"] = r["bf16"] / (
                         r["w8a8_triton_partial"] + r["norm_partials_extra"])
+            if bw and "w8a8_block" in r:
+                gemm = w8a8_kernel(m, n, k, feeds_norm)
+                row["engine"] = gemm
+                row["engine us"] = 1e6 * (
+                    r["w8a8_block"] if gemm == "cublas" else
+                    r["w8a8_triton_partial"] + r["norm_partials_extra"]
+                    if "w8a8_triton_partial" in r else r["w8a8_triton"])
+                row["engine / bf16"] = r["bf16"] * 1e6 / row["engine us"]
             if "w8a8_error" in r:
                 row["note"] = r["w8a8_error"]
             rows.append(row)
     cols = ["shape", "M", "N", "K", "bf16 us", "w8a16 us", "w8a16_best us", "w8a8 us",
             "w8a8_quant us", "w8a8_block us", "w8a8_block_quant us", "act_quant us",
             "w8a8_triton us", "w8a8_triton_best us", "w8a8 triton best tiles", "splits",
+            "engine", "engine us", "engine / bf16",
             "w8a8_triton_partial us", "norm_partials_extra us",
             "roofline bf16 us", "roofline fp8 us", "w8a16 / bf16",
             "w8a16 best / bf16", "best tiles", "w8a8 / bf16",
@@ -256,9 +270,13 @@ def main() -> None:
              "1x128 activation blocks (cuBLAS block-scaled); vs emulation: against the same "
              "quantised operands multiplied in fp32",
              "w8a8 triton: `kernels.w8a8_triton`, our kernel for the same block-scaled product "
-             "(e4m3 x e4m3 tensor-core dots, scales applied per 128-wide K block, narrow tiles "
-             "and split-K for decode's skinny GEMMs) on pre-quantised activations; best: the "
-             "fastest of BN in 32/64/128 x split 1/2/4 x 3/4 stages",
+             "(e4m3 x e4m3 tensor-core dots fed by TMA, scales applied per 128-wide K block, "
+             "split-K for decode's narrow outputs) on pre-quantised activations; best: the "
+             "fastest of BN in 64/128 x split 1/2/3/4/6/8/12 x 3/4 stages (summing its own "
+             "partials)",
+             "engine: the W8A8 kernel the FP8 engine's auto picks (`model.w8a8_kernel`) and its "
+             "time as the engine runs it: cuBLAS = w8a8_block; ours on o / down split over K = "
+             "w8a8_triton_partial + norm_partials_extra; else w8a8_triton",
              "w8a8_triton_partial: the same kernel (default tiles) leaving its `splits` split-K "
              "partials unsummed (`Partials`), as the engine runs o and down at decode; "
              "norm_partials_extra: what summing them costs the RMSNorm that reads them (its time "

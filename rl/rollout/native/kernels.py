@@ -52,6 +52,7 @@ from rl.rollout.native.kvcache import dequantize_kv, quantize_kv
 try:  # Triton is optional: the CPU engine never needs it
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor   # triton >= 3.4
 except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
@@ -593,29 +594,31 @@ if triton is not None:
                  acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
-    def _w8a8_kernel(x_ptr, sx_ptr, w_ptr, s_ptr, y_ptr, M, N, K, M_PAD, stride_sn, k_per_split,
-                     BM: tl.constexpr, BN: tl.constexpr):
+    def _w8a8_kernel(a_desc, w_desc, sx_ptr, s_ptr, y_ptr, M, N, K, M_PAD, stride_sn,
+                     k_per_split, BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
         """y[ks] (BM, BN) tile = sum over this split's 128-wide K blocks of
         (x8 @ w8.T) * sx[row, kb] * sw[n block, kb]: e4m3 x e4m3 products on the tensor cores
-        (wgmma on Hopper), x8 (M_PAD, K) with column-major scales sx (G, M_PAD), w8 (N, K)
-        with 128x128 block scales; split-K partials in fp32, summed outside."""
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        (wgmma on Hopper), both operands brought in by TMA (`a_desc`: x8 (M_PAD, K) in BM x 128
+        boxes, `w_desc`: w8 (N, K) in BN x 128 boxes; rows past either edge arrive as zeros) over
+        a STAGES-deep pipeline; column-major activation scales sx (G, M_PAD), 128x128 weight
+        block scales; split-K partials in fp32, summed outside."""
+        off_m = tl.program_id(0) * BM
+        off_n = tl.program_id(1) * BN
         ks = tl.program_id(2)
+        rm = off_m + tl.arange(0, BM)
+        rn = off_n + tl.arange(0, BN)
         k_lo = ks * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
         acc = tl.zeros((BM, BN), tl.float32)
-        for k0 in range(k_lo, k_hi, 128):
-            rk = k0 + tl.arange(0, 128)
-            a = tl.load(x_ptr + rm[:, None] * K + rk[None, :],
-                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0)
-            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :],
-                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0)
-            part = tl.dot(a.to(tl.float8e4nv, bitcast=True),
-                          tl.trans(w.to(tl.float8e4nv, bitcast=True)))
+        for k0 in tl.range(k_lo, k_hi, 128, num_stages=STAGES):
+            part = tl.dot(a_desc.load([off_m, k0]), w_desc.load([off_n, k0]).T)
             sa = tl.load(sx_ptr + (k0 // 128) * M_PAD + rm, mask=rm < M, other=0.0)
-            sb = tl.load(s_ptr + (rn // 128) * stride_sn + k0 // 128, mask=rn < N, other=0.0)
-            acc += part * sa[:, None] * sb[None, :]
+            if BN <= 128:        # a power of two: the tile lies in one 128-row weight block
+                sb = tl.load(s_ptr + (off_n // 128) * stride_sn + k0 // 128)
+                acc += part * (sa * sb)[:, None]
+            else:
+                sb = tl.load(s_ptr + (rn // 128) * stride_sn + k0 // 128, mask=rn < N, other=0.0)
+                acc += part * sa[:, None] * sb[None, :]
         tl.store(y_ptr + ks * M * N + rm[:, None] * N + rn[None, :],
                  acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -965,33 +968,64 @@ def _block_scaled_ok(device: torch.device) -> bool:
     return cuda_unavailable_reason(device) is None
 
 
-def _w8a8_tiles(m: int, tiles: dict) -> tuple[int, int]:
-    return tiles.get("BM", 16 if m <= 16 else 32 if m <= 32 else 64), tiles.get("BN", 64)
+# `w8a8_triton`'s launch, from a sweep of BN x stages x splits over Qwen3-0.6B / 4B and
+# Qwen3-MoE-small decode GEMMs at 16-256 rows (1 x H200, CUDA graphs, weights past L2;
+# bench/results/fp8_gemm.md has the engine's choices against cuBLAS): 64-row tiles (wgmma's side;
+# TMA zero-fills rows past M); 128-wide for narrow outputs (N <= K: o, down), 64 for wide ones
+# (qkv, gate_up); a 4-deep pipeline.
+W8A8_STAGES = 4
+
+
+def _w8a8_tiles(n: int, k: int, tiles: dict) -> tuple[int, int]:
+    return tiles.get("BM", 64), tiles.get("BN", 128 if n <= k else 64)
+
+
+def _w8a8_split(m: int, n: int, k: int, bm: int, bn: int, tiles: dict) -> tuple[int, int]:
+    """(K splits, K blocks per split). Narrow outputs (N <= K) have few output tiles: split K
+    until about 2 programs per SM of an H200 run (264), each over >= 2 K blocks, while the fp32
+    partials (splits x M x N x 4 bytes, written here and read by the RMSNorm) stay within twice
+    the weight's bytes. Wide outputs fill the GPU unsplit (their consumers take no partials)."""
+    kblocks = triton.cdiv(k, DEFAULT_BLOCK)
+    split = 1
+    if n <= k:
+        tiles_mn = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        split = max(1, min(kblocks // 2, 264 // tiles_mn, k // (2 * m)))
+    per = triton.cdiv(kblocks, tiles.get("split", split))
+    return triton.cdiv(kblocks, per), per
 
 
 def w8a8_triton_splits(m: int, n: int, k: int) -> int:
     """K splits `w8a8_triton` launches for an (m, k) x (n, k)^T product at default tiles."""
-    return _split_k(m, n, triton.cdiv(k, DEFAULT_BLOCK), *_w8a8_tiles(m, {}), {})[0]
+    bm, bn = _w8a8_tiles(n, k, {})
+    return _w8a8_split(m, n, k, bm, bn, {})[0]
 
 
 def w8a8_triton(act: QuantAct, w: torch.Tensor, scale: torch.Tensor,
                 out_dtype: torch.dtype = torch.bfloat16, tiles: dict | None = None,
                 partial: bool = False) -> torch.Tensor | Partials:
     """`act` @ deq(w (N, K)).T -> (act.rows, N): the W8A8 product of `w8a8_linear` in our own
-    Triton kernel instead of cuBLAS's, with the W8A16 kernel's skinny-GEMM tiling (narrow tiles
-    and split-K so decode's few output tiles fill the GPU). `tiles` overrides BM, BN, split,
-    num_warps, num_stages (`bench.fp8_gemm` measures them). `partial`: a split-K launch returns
-    its `Partials` for the consuming `rmsnorm` to sum (no reduction launches here)."""
+    Triton kernel instead of cuBLAS's: TMA-fed and pipelined, with split-K so that decode's few
+    output tiles fill the GPU. `tiles` overrides BM, BN, split, num_warps, num_stages
+    (`bench.fp8_gemm` measures them). `partial`: a split-K launch returns its `Partials` for the
+    consuming `rmsnorm` to sum (no reduction launches here). TMA wants 16-byte aligned rows and
+    bases: K a multiple of 16 and the tensors' own storage (the engine's weights and activation
+    buffers are)."""
     m, k = act.rows, act.q.shape[1]
     n = w.shape[0]
+    for name, x in (("activations", act.q), ("weight", w)):
+        if k % 16 or x.data_ptr() % 16 or x.stride(0) != k:
+            raise ValueError(f"w8a8_triton: {name} {tuple(x.shape)} are not 16-byte aligned "
+                             f"rows of K={k} (TMA needs K % 16 == 0 and an aligned base)")
     t = tiles or {}
-    bm, bn = _w8a8_tiles(m, t)
-    split, per = _split_k(m, n, triton.cdiv(k, DEFAULT_BLOCK), bm, bn, t)
+    bm, bn = _w8a8_tiles(n, k, t)
+    split, per = _w8a8_split(m, n, k, bm, bn, t)
     y = _partials(split, m, n, out_dtype, act.q.device)
-    launch = {key: t[key] for key in ("num_warps", "num_stages") if key in t}
+    a_desc = TensorDescriptor.from_tensor(act.q.view(torch.float8_e4m3fn), [bm, DEFAULT_BLOCK])
+    w_desc = TensorDescriptor.from_tensor(w.view(torch.float8_e4m3fn), [bn, DEFAULT_BLOCK])
+    launch = {"num_warps": t["num_warps"]} if "num_warps" in t else {}
     _w8a8_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-        act.q.view(torch.uint8), act.scale, w, scale, y, m, n, k, act.q.shape[0],
-        scale.stride(0), per * DEFAULT_BLOCK, BM=bm, BN=bn, **launch)
+        a_desc, w_desc, act.scale, scale, y, m, n, k, act.q.shape[0], scale.stride(0),
+        per * DEFAULT_BLOCK, BM=bm, BN=bn, STAGES=t.get("num_stages", W8A8_STAGES), **launch)
     if split == 1:
         return y
     parts = Partials(y, out_dtype)

@@ -102,26 +102,24 @@ def attention_settings(fp8_kv: bool) -> dict:
     return dict(block_l=KV_FP8_SLOT_ALIGN) if fp8_kv else {}
 
 
-# Which W8A8 kernel a GEMM takes, from bench/results/fp8_gemm.md (H200):
-# ours (`kernels.w8a8_triton`, split-K) for skinny GEMMs with a long K and a narrow output
-# (N <= K: o and down), whose few output tiles leave most SMs idle unless K is split, where it
-# beats cuBLAS's block-scaled GEMM: up to W8A8_TRITON_ROWS rows summing its own partials (o and
-# down at 64 rows: 7.6 vs 8.8 us, 9.6 vs 11.5), up to W8A8_PARTIAL_ROWS when it splits K and
-# the RMSNorm after it sums the partials (`Partials`; o and down at 256 rows: 5.9 + 0.4 vs 9.1,
-# 7.8 + 0.4 vs 11.8; unsplit, as a 30B-sized 4096 x 8192 at 256 rows, cuBLAS's 26 us beat its
-# 52); cuBLAS's everywhere else: at K = 1024, for prefill, and for wide outputs (N > K: qkv and
-# gate_up), which fill the GPU with output tiles unsplit (Qwen3-4B at 64 rows, CUDA graphs:
-# qkv 11.2 us on cuBLAS vs 17.8 on ours, gate_up 22.6 vs 24.6).
+# Which W8A8 kernel a GEMM takes, from a sweep on an H200 (CUDA graphs, weights past L2;
+# bench/results/fp8_gemm.md): ours (`kernels.w8a8_triton`: TMA-fed, pipelined, split-K for
+# narrow outputs) at decode's row counts, cuBLAS's block-scaled GEMM beyond (prefill, scoring).
+# Up to W8A8_TRITON_ROWS rows ours wins at every measured shape (64 rows: Qwen3-0.6B qkv 4.7 us
+# vs cuBLAS 6.1, gate_up 4.9 vs 6.1; Qwen3-4B gate_up 17.0 vs 22.5, down 11.9 vs 29.3). Up to
+# W8A8_PARTIAL_ROWS it still wins for narrow outputs (N <= K: o, down) split over K, when the
+# RMSNorm after them sums the partials (`Partials`; 256 rows: 0.6B o 4.9 vs 8.8, 4B down 17.5
+# vs 29.7); wide outputs (qkv, gate_up) fill the GPU with output tiles there and cuBLAS's is as
+# fast or faster (4B gate_up 32.2 vs 29.7).
 W8A8_TRITON_ROWS = 64
 W8A8_PARTIAL_ROWS = 256
-W8A8_TRITON_MIN_K = 2048
 
 
 def w8a8_kernel(rows: int, n: int, k: int, partial: bool) -> str:
     """"triton" or "cublas": the W8A8 GEMM "auto" picks for `rows` x (n, k)^T, by the rule
     above; `partial`: the caller takes `kernels.Partials`."""
-    ours = k >= W8A8_TRITON_MIN_K and n <= k and (rows <= W8A8_TRITON_ROWS or (
-        partial and rows <= W8A8_PARTIAL_ROWS and K.w8a8_triton_splits(rows, n, k) > 1))
+    ours = rows <= W8A8_TRITON_ROWS or (
+        partial and rows <= W8A8_PARTIAL_ROWS and n <= k and K.w8a8_triton_splits(rows, n, k) > 1)
     return "triton" if ours else "cublas"
 
 
@@ -140,8 +138,8 @@ class NativeQwen3:
         """Tests: the FP8-cache attention's (QK, PV) e4m3 products (None: the kernel's choice)."""
         self.fp8_gemm = "auto"
         """FP8 weights' GEMM: "auto" = W8A8 where `kernels.w8a8_supported` (our Triton kernel
-        when K >= `W8A8_TRITON_MIN_K` >= N up to `W8A8_TRITON_ROWS` rows, or `W8A8_PARTIAL_ROWS`
-        for a split-K o / down at decode; else cuBLAS's), else W8A16; tests and benchmarks pin
+        up to `W8A8_TRITON_ROWS` rows, or `W8A8_PARTIAL_ROWS` for a split-K o / down at decode;
+        else cuBLAS's), else W8A16; tests and benchmarks pin
         "cublas" or "triton" (W8A8 on that kernel) or "w8a16"."""
         self.fused_partials = True
         """Decode hands split-K partials of o / down to the RMSNorm after them (`linear`'s

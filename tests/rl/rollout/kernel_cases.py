@@ -350,6 +350,17 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
               K.w8a8_triton(act, w8.view(torch.uint8), sc, DT, tiles),
               K.w8a8_linear(act, w8.view(torch.uint8), sc, "torch", out_dtype=DT), 1e-2)
 
+    # TMA takes 16-byte aligned rows only: a misaligned weight is refused by name.
+    odd = torch.zeros(128 * 256 + 1, dtype=torch.uint8, device=device)[1:].view(128, 256)
+    try:
+        K.w8a8_triton(quantize_act_fast(r(4, 256).to(DT), 4, "triton"), odd,
+                      torch.ones(1, 2, device=device), DT)
+        raise Mismatch("w8a8_triton took a weight off 16-byte alignment")
+    except ValueError as e:
+        if "weight (128, 256) are not 16-byte aligned" not in str(e):
+            raise
+    print("w8a8 triton refuses a misaligned weight")
+
     # A split-K product left as Partials (o / down at decode) and summed by the RMSNorm that
     # consumes it: the same h and y (and quantised y) as the GEMM's own reduction followed by
     # the plain RMSNorm, with and without a residual; 6 rows (quantised output padded to 8).

@@ -26,7 +26,7 @@ def test_triton_kernels_match_torch_references_in_the_interpreter():
     assert "fp8_mma=(True, False)" in proc.stdout
     for case in ("act quant values K=200", "rmsnorm+quant scales", "silu_mul+quant scales",
                  "sample half-precision logits = their fp32 copy", "w8a8 triton 40x1024x256",
-                 "sample T=1.3 chunks=2",
+                 "w8a8 triton refuses a misaligned weight", "sample T=1.3 chunks=2",
                  "attention+quant fp8 splits=1 scales", "attention+quant bf16 splits=1 scales"):
         assert case in proc.stdout, case
 
@@ -51,30 +51,33 @@ def test_decode_splits_fill_the_gpu_only_when_rows_x_heads_do_not():
     assert counts == sorted(counts) and counts[0] == 1 and counts[-1] == MAX_SPLITS
 
 
-def test_w8a8_auto_takes_our_split_k_kernel_where_the_rmsnorm_sums_its_partials():
-    """The FP8 engine's "auto" GEMM choice (bench/results/fp8_gemm.md, H200): ours for long-K
-    GEMMs with a narrow output (N <= K) up to 64 rows; up to 256 rows for o / down at decode,
-    whose split-K partials the next RMSNorm sums, but only while the launch splits K; cuBLAS's
-    otherwise, and for wide outputs (qkv, gate_up) at any K."""
+def test_w8a8_auto_takes_our_kernel_at_decode_rows():
+    """The FP8 engine's "auto" GEMM choice (bench/results/fp8_gemm.md, H200): ours for every
+    shape up to 64 rows; up to 256 rows for narrow outputs (N <= K: o / down at decode) whose
+    split-K partials the next RMSNorm sums, but only while the launch splits K; cuBLAS's beyond
+    (prefill) and for wide outputs (qkv, gate_up) past 64 rows. Splits: about 2 programs per SM,
+    >= 2 K blocks each, partials within twice the weight's bytes; wide outputs unsplit."""
     from rl.rollout.native.kernels import w8a8_triton_splits
     from rl.rollout.native.model import w8a8_kernel
 
     o, down, qkv, big = (1024, 2048), (1024, 3072), (4096, 1024), (4096, 8192)  # (N, K)
-    assert [w8a8_triton_splits(r, *o) for r in (64, 256)] == [8, 4]
-    assert w8a8_triton_splits(256, *big) == 1          # 4 x 64 output tiles fill 132 SMs
-    for rows in (1, 16, 64):
-        assert w8a8_kernel(rows, *o, partial=False) == "triton"
-        assert w8a8_kernel(rows, *qkv, partial=True) == "cublas"      # K = 1,024
-    for rows in (128, 256):
-        assert w8a8_kernel(rows, *down, partial=True) == "triton"
-        assert w8a8_kernel(rows, *down, partial=False) == "cublas"   # would sum them itself
-    assert w8a8_kernel(256, *big, partial=True) == "cublas"         # no split: no partials
-    assert w8a8_kernel(64, *big, partial=True) == "triton"
-    assert w8a8_kernel(512, *down, partial=True) == "cublas"        # prefill-sized
-    # Qwen3-4B: K = 2,560 reaches ours' K, but qkv and gate_up have wide outputs (N > K)
     qkv4, gate_up4, o4, down4 = (6144, 2560), (19456, 2560), (2560, 4096), (2560, 9728)
+    # Qwen3-0.6B o: 8 output tiles of 64 x 128: 8 splits (2 K blocks each) at 64 rows; at 256,
+    # 32 tiles and 4 splits (partials 256 x 1024 x 4 x 4 = twice the 2 MB weight).
+    assert [w8a8_triton_splits(r, *o) for r in (64, 256)] == [8, 4]
+    assert [w8a8_triton_splits(r, *down4) for r in (64, 128, 256)] == [13, 6, 3]
+    assert w8a8_triton_splits(256, *big) == 2          # 128 tiles: 2 programs per SM
+    assert w8a8_triton_splits(64, *qkv4) == w8a8_triton_splits(16, *gate_up4) == 1   # wide
     for rows in (1, 16, 64):
-        assert w8a8_kernel(rows, *qkv4, partial=False) == "cublas"
-        assert w8a8_kernel(rows, *gate_up4, partial=False) == "cublas"
-        assert w8a8_kernel(rows, *o4, partial=True) == "triton"
-        assert w8a8_kernel(rows, *down4, partial=True) == "triton"
+        for shape in (o, down, qkv, big, qkv4, gate_up4, o4, down4):
+            assert w8a8_kernel(rows, *shape, partial=False) == "triton", (rows, shape)
+    for rows in (128, 256):
+        for shape in (down, o4, down4, big):
+            assert w8a8_kernel(rows, *shape, partial=True) == "triton", (rows, shape)
+            assert w8a8_kernel(rows, *shape, partial=False) == "cublas"  # would sum them itself
+        for shape in (qkv, qkv4, gate_up4):
+            assert w8a8_kernel(rows, *shape, partial=True) == "cublas", (rows, shape)
+    assert w8a8_kernel(512, *down, partial=True) == "cublas"        # prefill-sized
+    # a narrow output whose output tiles fill 2 per SM unsplit: nothing for the RMSNorm to sum
+    assert w8a8_triton_splits(256, 16384, 16384) == 1
+    assert w8a8_kernel(256, 16384, 16384, partial=True) == "cublas"
