@@ -27,11 +27,12 @@ Ops (shapes: B rows, NH query heads, NKV kv heads, D head dim, L cache length):
   by expert) times expert e's weight; FP8 (with scales) or plain BF16 weights.
 - `w8a8_linear(x (M, K), w (N, K), scale)`: x quantised to e4m3 in 1x128 blocks times the
   block-FP8 weight on the tensor cores (`rl.quant.backends.block_scaled_mm`: cuBLAS, 1x128 x
-  128x128 block scales; Hopper, CUDA 12.9+). `rmsnorm` and `silu_mul` with `quant=True` emit
+  128x128 block scales; Hopper, CUDA 12.9+), or with gemm="triton" in our TMA-fed kernel
+  (`w8a8_triton`, split-K for narrow outputs). `rmsnorm` and `silu_mul` with `quant=True` emit
   its input already quantised (`rl.quant.fast_quant.QuantAct`): no separate quantiser launch.
 - `sample_temperature(logits (B, V), temperature, seed)`: one token per row from
-  softmax(logits / T) by the Gumbel-max race, and its temperature-1 log-prob, in one pass over
-  the logits (split over chunks of the vocabulary, then a combine kernel).
+  softmax(logits / T) by inverse CDF over vocabulary tiles, and its temperature-1 log-prob,
+  reading the logits once (a tile pass, then one program per row).
 
 The Triton interpreter (TRITON_INTERPRET=1) runs these on CPU tensors for the unit tests, with
 fp16 activations: it mishandles bf16 dots (numpy has no bf16). On GPU they run in bf16.
