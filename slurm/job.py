@@ -92,8 +92,9 @@ def _start_ray(cfg: Config, attempts: int = 2) -> RayCluster:
     """`start_ray`, tried again once if a node did not come up.
 
     `ray start` gives a node's raylet a fixed 30 s to register with the head; on a node that is
-    busy (or a slow shared file system importing Ray) it can miss that once. `start_ray` tears a
-    failed attempt down completely, so the second attempt starts clean.
+    busy (or a slow shared file system importing Ray) it can miss that once, the head's own
+    included (then its GCS never answers `ray.init`: `ray_cluster.connect`). `start_ray` tears
+    a failed attempt down completely, so the second attempt starts clean.
     """
     store = cfg.cluster.ray_object_store_mb * 2**20 or None
     for attempt in range(1, attempts + 1):

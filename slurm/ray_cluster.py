@@ -279,12 +279,32 @@ def start_ray(run_dir: str | Path, *, timeout_s: float = 120.0,
         for n in nodes[1:]:
             cluster.steps[n.name] = _launch(
                 n, ray_start_args(n, head, temp(n), object_store_bytes), run_dir, env)
-        ray.init(address=cluster.address, logging_level="WARNING")
+        connect(cluster)
         wait_for_nodes(cluster, deadline)
     except BaseException:
         stop_ray(cluster)
         raise
     return cluster
+
+
+def connect(cluster: RayCluster) -> None:
+    """Connects this process to the head. A head that listens but whose GCS never answers (its
+    raylet timed out starting on a busy node: "The current node timed out during startup") makes
+    `ray.init` raise ConnectionError; that becomes a RayClusterError naming the head's log, which
+    `slurm.job._start_ray` tries once more from scratch like a node that did not join."""
+    import ray
+
+    head = cluster.nodes[0]
+    log = cluster.run_dir / f"ray-{head.name}.log"
+    try:
+        ray.init(address=cluster.address, logging_level="WARNING")
+    except (ConnectionError, TimeoutError) as e:
+        if ray.is_initialized():
+            ray.shutdown()
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise RayClusterError(f"Ray head on {head.name} listened on {cluster.address} but did "
+                              f"not answer ({type(e).__name__}: {first}); log {log}:\n"
+                              f"{_tail(log)}") from e
 
 
 def wait_for_nodes(cluster: RayCluster, deadline: float) -> None:
