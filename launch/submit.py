@@ -32,7 +32,16 @@ def run_local(cfg, args) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     executor = submitit.LocalExecutor(folder=str(folder))
     executor.update_parameters(timeout_min=24 * 60)
-    job = executor.submit(run_local_job, cfg, force=args.force)  # resumes what the run dir holds
+    # A terminal's Ctrl-C signals the whole foreground process group: this launcher (which asks
+    # the job to stop, below), the job's task (rl.signals) and, between them, submitit's local
+    # controller, which would die of KeyboardInterrupt and leave the job reported failed (exit
+    # 1) though its checkpoint was written. Started with SIGINT ignored (inherited across exec),
+    # the controller leaves Ctrl-C to the other two; the task installs its own handler.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        job = executor.submit(run_local_job, cfg, force=args.force)  # resumes the run dir
+    finally:
+        signal.signal(signal.SIGINT, previous)
     verbose = cfg.logging.verbose
     warm = "the SFT warm start (unless cached), then " if cfg.model.warm_start else ""
     print(f"local job {job.job_id} started in {cfg.run_dir.resolve()}: {warm}"

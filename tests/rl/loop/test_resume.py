@@ -1,5 +1,5 @@
-"""Exact resume and faults: a SIGTERM'd and resumed run equals an uninterrupted one (bitwise on
-CPU fp32; ZeRO-3, and ZeRO-2 resumed from a checkpoint); a driver killed while writing a
+"""Exact resume and faults: a run stopped by Ctrl-C (SIGINT to its process group) and resumed equals an
+uninterrupted one (bitwise on CPU fp32; ZeRO-3, and ZeRO-2 resumed from a checkpoint); a driver killed while writing a
 checkpoint resumes from the previous one; a killed rollout engine is restarted and re-synced."""
 import os
 import signal
@@ -13,12 +13,14 @@ from tests.rl.loop.conftest import (assert_same_run, kill_group, make_cfg, read_
 pytestmark = pytest.mark.slow
 
 
-def test_sigterm_and_resume_equals_uninterrupted_run(reference_run, tmp_path):
+def test_ctrl_c_and_resume_equals_uninterrupted_run(reference_run, tmp_path):
     ref_cfg, ref_result = reference_run
     proc = start_submit(tmp_path, "resumed")
     run_dir = tmp_path / "resumed"
     wait_for(lambda: len(read_metrics(run_dir)) >= 3, 900, "step 3", proc)
-    proc.send_signal(signal.SIGTERM)  # the launcher forwards it to the job as USR1
+    # Ctrl-C in a terminal: SIGINT to the whole process group (launcher, submitit's controller,
+    # the job), not only to the launcher.
+    os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(300) == 75, "a stopped run exits with EXIT_REQUEUE (75)"
     stopped_at = len(read_metrics(run_dir))
     assert 3 <= stopped_at < 6
