@@ -20,6 +20,15 @@ ASYNC = ["algorithm.max_staleness=1", "algorithm.partial_rollouts=resume",
          "algorithm.partial_tokens=3", "algorithm.routing_replay=r3", "logging.save_routing=true"]
 
 
+def pending_batches(run_dir):
+    """The batches generated ahead that the run's latest checkpoint holds (`RolloutBatch`es)."""
+    from rl.checkpoint import CheckpointManager
+    from rl.pipeline import RolloutBatch
+    path, _ = CheckpointManager(run_dir).latest()
+    return [RolloutBatch.from_state(d)
+            for d in torch.load(path / "driver.pt", weights_only=False)["pending"]]
+
+
 @pytest.fixture(scope="session")
 def async_reference(tmp_path_factory, ray_local):
     """6 uninterrupted steps with max_staleness 1 and resumed partial rollouts, in process."""
@@ -82,12 +91,10 @@ def test_async_sigterm_and_resume_equals_uninterrupted_run(async_reference, tmp_
     stopped_at = len(read_metrics(run_dir))
     assert 3 <= stopped_at < 6
     # The checkpoint holds the batch generated ahead, with its versions, cut mid-generation.
-    from rl.checkpoint import CheckpointManager
-    path, _ = CheckpointManager(run_dir).latest()
-    pending = torch.load(path / "driver.pt", weights_only=False)["pending"]
-    assert [b["step"] for b in pending] == [stopped_at + 1]
-    assert {s["weight_version"] for g in pending[0]["groups"] for s in g} == {stopped_at - 1}
-    assert all(s["routing"] is not None for g in pending[0]["groups"] for s in g)
+    pending = pending_batches(run_dir)
+    assert [b.step for b in pending] == [stopped_at + 1]
+    assert {s.weight_version for g in pending[0].groups for s in g} == {stopped_at - 1}
+    assert all(s.routing is not None for g in pending[0].groups for s in g)
     proc = start_submit(tmp_path, "resumed", *ASYNC)
     assert proc.wait(900) == 0
     assert_same_run(run_dir, ref_cfg.run_dir,
@@ -113,11 +120,7 @@ def test_lowering_max_staleness_on_resume_drops_older_samples(tmp_path, ray_loca
     # timing had it); with max_staleness 1 every group among them whose oldest token lags the
     # policy of its step (version step - 1) by more than 1 is too old when that step comes, so it
     # is dropped and the step samples again with the current weights.
-    from rl.checkpoint import CheckpointManager
-    from rl.pipeline import RolloutBatch
-    path, _ = CheckpointManager(cfg.run_dir).latest()
-    pending = [RolloutBatch.from_state(d)
-               for d in torch.load(path / "driver.pt", weights_only=False)["pending"]]
+    pending = pending_batches(cfg.run_dir)
     too_old = sum(len(g) for b in pending for g in b.groups
                   if any(b.step - 1 - s.oldest_version > 1 for s in g))
     per_batch = 16 * 4  # prompts_per_step x n_samples of BASE_OVERRIDES
@@ -150,11 +153,7 @@ def test_stale_samples_keep_trains_on_samples_older_than_the_bound(tmp_path, ray
     # The stop's checkpoint holds the batches generated ahead (one or two, as the generator's
     # timing had it); at least one lags its step's policy (version step - 1) by 2 versions:
     # past the lowered bound, and kept, with the lags it had.
-    from rl.checkpoint import CheckpointManager
-    from rl.pipeline import RolloutBatch
-    path, _ = CheckpointManager(cfg.run_dir).latest()
-    pending = [RolloutBatch.from_state(d)
-               for d in torch.load(path / "driver.pt", weights_only=False)["pending"]]
+    pending = pending_batches(cfg.run_dir)
     ahead = len(pending)
     assert [b.step for b in pending] == list(range(first.step + 1, first.step + 1 + ahead))
     ahead_lags = [[b.step - 1 - s.oldest_version for g in b.groups for s in g] for b in pending]
