@@ -3,9 +3,9 @@
 Layout: K and V each (layers, rows, NKV, L, D); row b holds one sequence, slot j one token.
 An FP8 cache stores V transposed, (layers, rows, NKV, D, L), and pads L to a multiple of
 `rl.plan.kv.KV_FP8_SLOT_ALIGN` (128): its decode attention reads K and V^T tiles of 128 slots
-straight into e4m3 tensor-core products (`kernels._attn_blocks_fp8`), unmasked, so every tile
-lies inside the cache and every byte is a finite e4m3 (the cache starts zeroed; both writers
-store NaN as 0).
+straight into e4m3 tensor-core products (`kernels._attn_blocks_fp8`), masked only in 16-slot
+steps past a row's context, so every tile lies inside the cache and every byte must be a finite
+e4m3 (the cache starts zeroed; both writers store NaN as 0).
 
 FP8: e4m3 values plus one scale per (layer, row, kv head, slot), i.e. per token and kv head,
 stored as one byte: the biased exponent of a power-of-two scale (e8m0, scale = 2**(e - 127)).
@@ -116,8 +116,9 @@ if triton is not None:
         """Write R heads' halves y1, y2 (fp32 (R, HALF)): in dst's dtype, or as e4m3 bytes + one
         scale exponent per head. dst (R, 1): each head's element 0; element i at dst + i, or at
         dst + i * step (FP8 V^T: a column of a (D, L) tile); exp_dst (R,): each head's exponent.
-        NaN is stored as 0: the decode attention loads whole tiles unmasked, and every byte of
-        an FP8 cache must be a finite e4m3 (inf saturates to +-448)."""
+        NaN is stored as 0: the decode attention reads the slots it masks out (up to 15 past
+        a row's context, and those before its start), so every byte of an FP8 cache must be a
+        finite e4m3 (inf saturates to +-448)."""
         d = tl.arange(0, HALF)[None, :]
         if FP8_KV:
             y1 = tl.where(y1 == y1, y1, 0.0)

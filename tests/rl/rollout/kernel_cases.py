@@ -254,6 +254,27 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
         name = "fp8 kv decode attention" if splits == 1 else f"fp8 kv split {splits}"
         close(f"{name} block_l={block_l} fp8_mma={mma}", a, a0,
               fp8_mma_tol(mma, 5e-3 * tl_scale))
+    # The FP8 kernel reads a partial last tile only up to the context rounded up to 16 slots
+    # (kernels.FP8_MASKED_TAIL): e4m3 NaN bytes (0x7F) from slot 32 on (end 23) stay unread in a
+    # 64-slot tile; read whole (the switch off), they reach the output on a GPU (the
+    # interpreter's e4m3 decodes 0x7F as a number, so there only the masked arm is checked).
+    poisoned = [x8.clone() for x8, _ in f8_ref]
+    poisoned[0].view(torch.uint8)[:, :, 32:] = 0x7F                 # K: (L, D)
+    poisoned[1].view(torch.uint8)[..., 32:] = 0x7F                  # V^T: (D, L)
+    for masked in (True, False):
+        K.FP8_MASKED_TAIL = masked
+        try:
+            a = K.decode_attention(q8, poisoned[0], poisoned[1], start, pos8, d ** -0.5,
+                                   "triton", 64, f8_ref[0][1], f8_ref[1][1], splits=1,
+                                   fp8_mma=FP8_MMA[0])
+        finally:
+            K.FP8_MASKED_TAIL = True
+        if masked:
+            close("fp8 kv attention, NaN bytes past the context + 16", a, a0,
+                  fp8_mma_tol(FP8_MMA[0], 5e-3 * tl_scale))
+        elif device != "cpu" and torch.isfinite(a.float()).all():
+            raise Mismatch("whole 64-slot tiles read NaN bytes past the context, yet the output "
+                           "is finite: the poisoned-tail case tests nothing")
     # Both cache writers store NaN as 0 (the decode attention's unmasked tiles need finite
     # bytes): a NaN in row 2's K and V heads.
     bad = qkv.clone()
