@@ -679,7 +679,7 @@ class PlanConfig:
     """Fraction of the link bandwidth the weight sync reaches end to end (packing, quantising,
     loading included), in (0, 1]. Default fitted on bench/results/weight_sync.json (FP8 wire:
     182 of 368 GB/s)."""
-    decode_step_overhead_ms: float = 1.08
+    decode_step_overhead_ms: float = 1.04
     """Fixed cost of one decode step besides streaming weights and KV cache [ms]: kernel launch
     floors and sampling. Default fitted on bench/results/rollout.json (native BF16, Qwen3-0.6B,
     batch 64, 1,024 new tokens)."""
