@@ -240,8 +240,8 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
         assert (e[slot] == e_ref[slot]).all(), f"fp8 {name} scale exponents differ"
         close(f"fp8 {name} cache write", dequantize_kv(x8[slot], e[slot]),
               dequantize_kv(x8_ref[slot], e_ref[slot]), 2e-3 * tl_scale)
-    # Stale bytes in a slot before start[1] (the tiles are read unmasked): the largest finite
-    # e4m3 in K and V must not leak in.
+    # Stale bytes in a slot before start[1] (read with its tile, masked only by score): the
+    # largest finite e4m3 in K and V must not leak in.
     for x8, _ in f8_ref:
         x8.view(torch.uint8)[1, ..., 2] = 0x7E
     a0 = K.decode_attention(q8, f8_ref[0][0], f8_ref[1][0], start, pos8, d ** -0.5, "torch",
@@ -275,8 +275,8 @@ def run_cases(device: str = "cpu", dtype: torch.dtype = torch.float16) -> None:
         elif device != "cpu" and torch.isfinite(a.float()).all():
             raise Mismatch("whole 64-slot tiles read NaN bytes past the context, yet the output "
                            "is finite: the poisoned-tail case tests nothing")
-    # Both cache writers store NaN as 0 (the decode attention's unmasked tiles need finite
-    # bytes): a NaN in row 2's K and V heads.
+    # Both cache writers store NaN as 0 (the decode attention reads slots it masks out, which
+    # must hold finite bytes): a NaN in row 2's K and V heads.
     bad = qkv.clone()
     bad[2, nh * d:] = float("nan")
     for impl, (kx, vx) in (("triton", f8), ("torch", f8_ref)):
