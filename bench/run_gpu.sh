@@ -15,6 +15,9 @@
 #   (profile: where a decode step's time goes, bench/decode_profile.py, single-pass vs split-K
 #    decode attention; ncu on each attention kernel; bench/rollout.py's dense rows with both
 #    kernels into $OUT/decode_attention/)
+#   (v4_learn: one H200, .whl with transformers 5.19: the V4 BF16 GPU tests, then the tiny V4
+#    demo learning on the GPU: BF16 DeepSpeed trainer + HF engine on the same device, into
+#    gpu_learn_v4.{json,md}; V4_LEARN_ARGS adds overrides)
 #   (topology: issue 17's Slurm hetjob on GPU nodes, bench/topology_gpu.py; carry .whl, .ray
 #    (bench/ray_slim.sh) and .debs (slurm/testing/fetch_debs.sh))
 # Writes into $OUT (default bench/results): run.log, gpu_report.jsonl, <bench>.json / .md.
@@ -92,6 +95,15 @@ for s in $sections; do
                  # stay the committed single-kernel run)
                  run rollout_attention 560 python3 -m bench.rollout --models dense \
                      --attention single,split --hf-max-new 0 --out "$OUT/decode_attention" ;;
+        v4_learn) run tests_v4 240 python3 -m pytest -q -p no:cacheprovider \
+                      tests/gpu/test_v4_bf16_gpu.py tests/gpu/test_v4_attention_gpu.py
+                  # math-verify is not installed there: the exact reward, the same verdict on
+                  # this task's integer answers
+                  run gpu_learn_v4 480 python3 -m bench.async_rl --config configs/local_v4.yaml \
+                      --name gpu_learn_v4 --staleness 0 --out "$OUT" --runs-dir /tmp/runs_v4 \
+                      model.dtype=bfloat16 trainer.device=cuda trainer.num_ranks=1 \
+                      rollout.engine=hf reward.function=exact \
+                      ${V4_LEARN_ARGS:-} ;;
         topology) run topology 560 python3 -m bench.topology_gpu --out "$OUT" ;;
         r3) run routing_replay 240 python3 -m bench.routing_replay --out "$OUT" ;;
         *) echo "unknown section $s" | tee -a "$LOG"; failed+=("$s") ;;

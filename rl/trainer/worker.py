@@ -187,6 +187,9 @@ class TrainerWorker:
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optim, lr_scheduler=sched,
                                                config=config, dist_init_required=False)
         buffers_to(engine.module, self.device)
+        if self.device.type == "cuda":
+            from rl.trainer import alignment
+            alignment.install(engine.module)
         if self.ep is not None:
             from rl.trainer.expert_parallel import attach_grad_norm
             attach_grad_norm(engine.optimizer, self.ep)
@@ -490,6 +493,12 @@ class TrainerWorker:
 
     def ping(self) -> int:
         return self.rank
+
+    def kernels(self) -> dict[str, str | None]:
+        """{"attention", "experts"}: the implementations the actor's forward runs."""
+        config = self.engine.module.config
+        return {"attention": config._attn_implementation,
+                "experts": getattr(config, "_experts_implementation", None)}
 
     def shutdown(self) -> None:
         self.sender.close()
