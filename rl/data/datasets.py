@@ -67,10 +67,12 @@ def eval_note(cfg: DataConfig, seed: int) -> str | None:
 
 
 def prompt_ids(example: Example, tokenizer: Any, cfg: DataConfig) -> list[int]:
-    """The prompt's token ids as the policy sees them (formatted, BOS first when the tokenizer has
-    one), untruncated; the run keeps the last `cfg.max_prompt_tokens` of them."""
+    """The prompt's token ids as the policy sees them (formatted, BOS first exactly once when the
+    tokenizer has one: a chat template that writes BOS itself gets no second one), untruncated;
+    the run keeps the last `cfg.max_prompt_tokens` of them."""
     ids = tokenizer(format_prompt(example, tokenizer, cfg), add_special_tokens=False)["input_ids"]
-    return ids if tokenizer.bos_token_id is None else [tokenizer.bos_token_id] + ids
+    bos = tokenizer.bos_token_id
+    return ids if bos is None or ids[:1] == [bos] else [bos] + ids
 
 
 def encode_prompt(example: Example, tokenizer: Any, cfg: DataConfig) -> list[int]:

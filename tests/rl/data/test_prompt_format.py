@@ -5,6 +5,8 @@ from transformers import PreTrainedTokenizerFast
 
 from rl.config import ConfigError, DataConfig, load_config
 from rl.data import Example, format_prompt
+from rl.data.datasets import prompt_ids
+from rl.models.tokenizer import build_char_tokenizer
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -43,3 +45,12 @@ def test_system_prompt_requires_chat_template():
     with pytest.raises(ConfigError, match=r"data\.system_prompt: got 'be brief', expected null "
                                           r"unless chat_template is true"):
         load_config(None, ["data.system_prompt=be brief"])
+
+
+def test_bos_comes_once_when_the_template_writes_it():
+    """The presets' template starts with <bos>; prompt_ids adds none of its own then."""
+    tok = build_char_tokenizer()
+    ids = prompt_ids(Example("1+1=", "2"), tok, DataConfig(chat_template=True))
+    assert ids[:2] == [tok.bos_token_id, tok.convert_tokens_to_ids("u")]
+    assert prompt_ids(Example("1+1=", "2"), tok, DataConfig())[:2] == [tok.bos_token_id,
+                                                                      tok.convert_tokens_to_ids("1")]
