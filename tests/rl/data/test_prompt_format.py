@@ -60,8 +60,8 @@ def test_bos_comes_once_when_the_template_writes_it():
     tok = build_char_tokenizer()
     ids = prompt_ids(Example("1+1=", "2"), tok, DataConfig(chat_template=True))
     assert ids[:2] == [tok.bos_token_id, tok.convert_tokens_to_ids("u")]
-    assert prompt_ids(Example("1+1=", "2"), tok, DataConfig())[:2] == [tok.bos_token_id,
-                                                                      tok.convert_tokens_to_ids("1")]
+    raw = prompt_ids(Example("1+1=", "2"), tok, DataConfig())
+    assert raw[:2] == [tok.bos_token_id, tok.convert_tokens_to_ids("1")]
 
 
 def test_old_configs_keep_their_format():
@@ -69,6 +69,8 @@ def test_old_configs_keep_their_format():
     assert DataConfig(chat_template=True).format == "chat_template"
     assert load_config(REPO / "configs" / "qwen3_30b_a3b_2node.yaml", []).data.format == \
         "chat_template"
+    assert load_config(REPO / "configs" / "deepseek_v4_flash_3node.yaml", []).data.format == \
+        "deepseek_v4"
 
 
 @pytest.mark.parametrize("overrides, needle", [
