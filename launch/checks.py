@@ -53,14 +53,18 @@ def check_resume_or_exit(cfg: Config, force: bool) -> None:
 
 
 def check_data_or_exit(cfg: Config) -> None:
-    """Read every row of both splits as the job will (`rl.data.build_datasets`) and, for a file
-    source, measure each prompt with the run's tokenizer when it is at hand; exit 2 on the
-    first problem, naming `file:line`."""
+    """Read every row of both splits as the job will (`rl.data.build_datasets`) and encode the
+    prompts with the run's tokenizer when it is at hand (`rl.data.datasets.prompt_ids`, the
+    job's encoder): for a file source each prompt's length, for a synthetic one with model.path
+    the first prompt (the format: a chat template, DeepSeek-V4's markers). Exit 2 on the first
+    problem, naming `file:line`, or the data key whose format the tokenizer cannot carry."""
     from rl.data import DataError, build_datasets
     try:
         train, evals = build_datasets(cfg.data, cfg.seed)
         if cfg.data.source == "file":
             _check_prompt_lengths(cfg, train + evals)
+        elif cfg.model.path is not None and train:
+            _check_prompt_format(cfg, train[0])
     except DataError as e:
         hint = " (pass --no-data-check if only the job's nodes can read it)" if str(e).endswith(
             ": no such file") else ""
@@ -97,6 +101,16 @@ def _check_prompt_lengths(cfg: Config, examples) -> None:
               f"({cfg.rollout.max_new_tokens}) exceeds rollout.max_model_len "
               f"({cfg.rollout.max_model_len}): its responses end early (finish reason 'length')",
               flush=True)
+
+
+def _check_prompt_format(cfg: Config, example) -> None:
+    """ConfigError when model.path's tokenizer (if here) cannot encode `example` in the run's
+    prompt format. The presets need no check: Config refuses deepseek_v4 for them, and their
+    character tokenizer has a chat template."""
+    tokenizer = _tokenizer(cfg)
+    if tokenizer is not None:
+        from rl.data.datasets import prompt_ids
+        prompt_ids(example, tokenizer, cfg.data)
 
 
 def _tokenizer(cfg: Config):

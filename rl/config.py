@@ -108,6 +108,21 @@ class SyntheticConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class DeepSeekV4PromptConfig:
+    thinking: bool = True
+    """Open the reply inside a `<think>` block (DeepSeek's thinking mode, its default and the
+    one for multi-step math); false = chat mode, "Non-think" (the prompt ends in `</think>`)."""
+    reasoning_effort: Literal["high", "max"] = "high"
+    """`high` ("Think High"): DeepSeek's default prompt; `max` ("Think Max"): DeepSeek's prefix
+    asking for exhaustive reasoning, far longer responses (thinking mode only)."""
+
+    def __post_init__(self) -> None:
+        _check(self.thinking or self.reasoning_effort == "high", "reasoning_effort",
+               self.reasoning_effort, "'high' when thinking is false (DeepSeek's encoding adds "
+               "the max-effort prefix only in thinking mode)")
+
+
+@dataclass(kw_only=True, slots=True)
 class DataConfig:
     source: Literal["synthetic", "file"] = "synthetic"
     """`synthetic`: generated arithmetic (`data.synthetic`); `file`: JSONL or Parquet rows from
@@ -128,12 +143,22 @@ class DataConfig:
     """source: file: the row field that holds the reference answer (read by `answer_format`)."""
     answer_format: Literal["auto", "gsm8k", "boxed", "raw"] = "auto"
     """How to extract the reference answer: `#### 42` (gsm8k), `\\boxed{..}`, the raw field, or auto."""
+    prompt_format: Literal["auto", "raw", "chat_template", "deepseek_v4"] = "auto"
+    """How a prompt becomes the policy's input (docs/prompt_format.md): `raw` (the text as is),
+    `chat_template` (the tokenizer's chat template, one user turn, generation prompt appended),
+    `deepseek_v4` (DeepSeek-V4's published encoding, which is code, not a template: its
+    published tokenizer has no chat template), or `auto`: `chat_template` when
+    `chat_template` is true, else `raw`."""
     chat_template: bool = False
-    """Wrap prompts with the tokenizer's chat template (instruct models)."""
+    """The older spelling of `prompt_format: chat_template` (with prompt_format auto); true with
+    another prompt_format is an error."""
     system_prompt: str | None = None
-    """System message before every prompt (needs chat_template: true); null = none."""
+    """System message before every prompt (prompt_format chat_template or deepseek_v4); null =
+    none."""
+    deepseek_v4: DeepSeekV4PromptConfig = field(default_factory=DeepSeekV4PromptConfig)
+    """Options of `prompt_format: deepseek_v4` (an error to change them with another format)."""
     max_prompt_tokens: int = 256
-    """Prompt tokens (with the run's tokenizer, after the chat template) a row may hold; the
+    """Prompt tokens (with the run's tokenizer, after the prompt format) a row may hold; the
     submit-time data check refuses longer prompts (the job would keep only their end)."""
     shuffle: bool = True
     """Draw training prompts in a fresh seeded order every epoch; false = the data's order."""
@@ -144,11 +169,28 @@ class DataConfig:
         _positive(self, "max_prompt_tokens")
         _check(0 <= self.eval_fraction < 1, "eval_fraction", self.eval_fraction,
                "a value in [0, 1)")
-        _check(self.system_prompt is None or self.chat_template, "system_prompt", self.system_prompt,
-               "null unless chat_template is true (a system prompt needs the chat template)")
+        fmt = self.format
+        _check(not self.chat_template or self.prompt_format in ("auto", "chat_template"),
+               "chat_template", self.chat_template, f"false with prompt_format "
+               f"{self.prompt_format!r} (chat_template: true is the older spelling of "
+               "prompt_format: chat_template)")
+        _check(self.system_prompt is None or fmt != "raw", "system_prompt", self.system_prompt,
+               "null with raw prompts (a system message needs prompt_format chat_template or "
+               "deepseek_v4)")
+        _check(fmt == "deepseek_v4" or self.deepseek_v4 == DeepSeekV4PromptConfig(),
+               "deepseek_v4", to_dict(self.deepseek_v4), f"its defaults with prompt_format "
+               f"{fmt!r} (these options are read by deepseek_v4 only)")
         if self.source == "file":
             _check(self.train_path is not None, "train_path", self.train_path,
                    "a JSONL or Parquet path when source is 'file'")
+
+    @property
+    def format(self) -> str:
+        """The prompt format in effect: `prompt_format` with `auto` resolved, so one of `raw`,
+        `chat_template`, `deepseek_v4`."""
+        if self.prompt_format != "auto":
+            return self.prompt_format
+        return "chat_template" if self.chat_template else "raw"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -744,6 +786,14 @@ class Config:
         _check(not self.logging.save_routing or self.algorithm.routing_replay == "r3",
                "logging.save_routing", True, "false unless algorithm.routing_replay is r3 (only "
                "r3 asks the engines for routing)")
+        # The presets' character tokenizer cannot hold V4's markers (they would become <unk>),
+        # and growing its fixed vocabulary would change every preset; refuse here, before a
+        # tokenizer is built. model.path tokenizers are checked where prompts are encoded.
+        _check(self.model.path is not None or self.data.format != "deepseek_v4",
+               "data.prompt_format", self.data.prompt_format,
+               f"raw or chat_template with a preset model ({self.model.preset}: its character "
+               "tokenizer has no <｜User｜>, <｜Assistant｜>, <think> tokens); deepseek_v4 needs "
+               "a DeepSeek-V4 checkpoint in model.path")
 
     @property
     def run_dir(self) -> Path:

@@ -27,6 +27,11 @@ from rl.models.presets import preset_dir_name, save_model
 
 log = logging.getLogger(__name__)
 
+_ABSENT = object()
+# {data key: its default}: keys DataConfig gained after the cache key's format 1.
+_ADDED_DATA_KEYS = {"prompt_format": "auto",
+                    "deepseek_v4": {"thinking": True, "reasoning_effort": "high"}}
+
 
 def _sft_dir(config: dict) -> Path:
     """`sft_dir` of a resolved config as a dict (`to_dict(cfg)`, or a run's config.yaml)."""
@@ -36,7 +41,10 @@ def _sft_dir(config: dict) -> Path:
         name, base = model["preset"], preset_dir_name(model["preset"], model["seed"])
     else:
         name, base = Path(model["path"]).name, None
-    blob = json.dumps({"model": model, "data": config["data"],
+    # Data keys added after format 1 enter the key only off their defaults, so that cached warm
+    # starts of configs that do not use them stay valid.
+    data = {k: v for k, v in config["data"].items() if _ADDED_DATA_KEYS.get(k, _ABSENT) != v}
+    blob = json.dumps({"model": model, "data": data,
                        "sft": {k: v for k, v in sft.items() if k != "cache_dir"},
                        "seed": config["seed"], "format": 1, "preset_dir": base}, sort_keys=True)
     return Path(sft["cache_dir"]) / f"{name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"

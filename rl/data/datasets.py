@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import logging
 import random
+import weakref
 from typing import Any
 
 from rl.config import ConfigError, DataConfig
+from rl.data import deepseek_v4
 from rl.data.example import DataError, Example
 from rl.data.files import load_examples
 from rl.data.synthetic import make_synthetic
@@ -67,10 +69,13 @@ def eval_note(cfg: DataConfig, seed: int) -> str | None:
 
 
 def prompt_ids(example: Example, tokenizer: Any, cfg: DataConfig) -> list[int]:
-    """The prompt's token ids as the policy sees them (formatted, BOS first when the tokenizer has
-    one), untruncated; the run keeps the last `cfg.max_prompt_tokens` of them."""
+    """The prompt's token ids as the policy sees them (formatted, BOS first exactly once when the
+    tokenizer has one: a format whose text starts with BOS, as deepseek_v4 and many chat
+    templates do, gets no second one), untruncated; the run keeps the last
+    `cfg.max_prompt_tokens` of them."""
     ids = tokenizer(format_prompt(example, tokenizer, cfg), add_special_tokens=False)["input_ids"]
-    return ids if tokenizer.bos_token_id is None else [tokenizer.bos_token_id] + ids
+    bos = tokenizer.bos_token_id
+    return ids if bos is None or ids[:1] == [bos] else [bos] + ids
 
 
 def encode_prompt(example: Example, tokenizer: Any, cfg: DataConfig) -> list[int]:
@@ -80,18 +85,47 @@ def encode_prompt(example: Example, tokenizer: Any, cfg: DataConfig) -> list[int
 
 
 def format_prompt(example: Example, tokenizer: Any, cfg: DataConfig) -> str:
-    """The text the policy sees: `example.prompt` as is, or (chat_template: true) wrapped in the
-    tokenizer's chat template with the optional system prompt and the generation prompt appended.
+    """The text the policy sees, by `cfg.format` (docs/prompt_format.md): `example.prompt` as is
+    (raw); one user turn with the optional system prompt and the generation prompt appended,
+    through the tokenizer's chat template (chat_template) or DeepSeek-V4's published encoding
+    (deepseek_v4, `rl.data.deepseek_v4`).
 
-    `tokenizer` is a Hugging Face tokenizer; it is only used when chat_template is true.
+    `tokenizer` is a Hugging Face tokenizer. ConfigError when it cannot carry the format: no
+    chat template, or a DeepSeek-V4 marker that is not one token.
     """
-    if not cfg.chat_template:
+    fmt = cfg.format
+    if fmt == "raw":
         return example.prompt
+    if fmt == "deepseek_v4":
+        _check_deepseek_v4_tokenizer(tokenizer)
+        return deepseek_v4.encode_user_turn(example.prompt, cfg.system_prompt,
+                                            cfg.deepseek_v4.thinking,
+                                            cfg.deepseek_v4.reasoning_effort)
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ConfigError(f"data.chat_template: got True, but the tokenizer "
-                          f"({type(tokenizer).__name__}) has no chat template; expected false "
-                          "for base models")
+        key, value = (("chat_template", True) if cfg.prompt_format == "auto"
+                      else ("prompt_format", "chat_template"))
+        raise ConfigError(f"data.{key}: got {value!r}, but the tokenizer "
+                          f"({type(tokenizer).__name__}) has no chat template; expected "
+                          "data.prompt_format: raw for base models, or deepseek_v4 for "
+                          "DeepSeek-V4 (its published prompt format is code, not a template)")
     messages = [{"role": "user", "content": example.prompt}]
     if cfg.system_prompt is not None:
         messages.insert(0, {"role": "system", "content": cfg.system_prompt})
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+# Tokenizers already checked to hold V4's markers as single tokens (checked once, not per prompt).
+_V4_CHECKED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _check_deepseek_v4_tokenizer(tokenizer: Any) -> None:
+    if tokenizer in _V4_CHECKED:
+        return
+    split = deepseek_v4.split_markers(tokenizer)
+    if split:
+        marker, n = split[0]
+        raise ConfigError(f"data.prompt_format: got 'deepseek_v4', but the tokenizer "
+                          f"({type(tokenizer).__name__}) splits {marker} into {n} tokens; "
+                          f"expected a DeepSeek-V4 tokenizer, which holds each of "
+                          f"{' '.join(deepseek_v4.SPECIAL_TOKENS)} as one token")
+    _V4_CHECKED.add(tokenizer)

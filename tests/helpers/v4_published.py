@@ -116,3 +116,43 @@ def write_published(state: dict[str, torch.Tensor], config: dict, extras: Path, 
             (dst / extra.name).write_bytes(extra.read_bytes())
     return reference
 
+
+
+# The published tokenizer's markers: BOS/EOS/pad at ids 0/1/2 (config.json's bos_token_id 0 and
+# eos_token_id 1), the role and thinking markers as added tokens. Ids past 2 are this tiny
+# vocabulary's own, not the published ones.
+V4_SPECIAL = {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1, "<｜▁pad▁｜>": 2}
+V4_MARKERS = ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>")
+
+
+def write_published_tokenizer(dst: Path) -> dict[str, int]:
+    """Write a tiny tokenizer in the published DeepSeek-V4-Flash layout into `dst` (created if
+    missing): `tokenizer.json` (a byte-level BPE, like DeepSeek's, over the 256 byte symbols
+    with no merges, plus the markers as added tokens) and a `tokenizer_config.json` naming BOS,
+    EOS and pad with no `chat_template` (DeepSeek ships V4's format as code), and the published
+    Flash `config.json` (the submit-time data check reads a directory that holds one). Returns
+    {marker: id} for the special tokens and markers."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = dict(V4_SPECIAL)
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    for marker in V4_MARKERS:
+        vocab[marker] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, normalized=False) for t in V4_SPECIAL])
+    # Like DeepSeek's role and thinking markers: added tokens that decoding keeps.
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in V4_MARKERS])
+    dst.mkdir(parents=True, exist_ok=True)
+    tok.save(str(dst / "tokenizer.json"))
+    bos, eos, pad = V4_SPECIAL
+    (dst / "tokenizer_config.json").write_text(json.dumps({
+        "add_bos_token": False, "add_eos_token": False, "bos_token": bos, "eos_token": eos,
+        "pad_token": pad, "clean_up_tokenization_spaces": False, "legacy": True,
+        "model_max_length": 1048576, "unk_token": None,
+        "tokenizer_class": "TokenizersBackend"}, ensure_ascii=False, indent=2))
+    known = Path(__file__).resolve().parents[2] / "rl" / "plan" / "known" / "DeepSeek-V4-Flash.json"
+    (dst / "config.json").write_text(known.read_text())
+    return {t: vocab[t] for t in (*V4_SPECIAL, *V4_MARKERS)}

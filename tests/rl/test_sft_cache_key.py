@@ -28,3 +28,18 @@ def test_a_changed_preset_gets_a_new_key(monkeypatch):
     monkeypatch.setitem(presets._BUILDERS, "tiny-qwen3-moe",
                         (model_type, lambda v: {**fields(v), "num_hidden_layers": 3}))
     assert sft_dir(_cfg()) != key
+
+
+def test_data_keys_added_later_keep_existing_keys_at_their_defaults():
+    """A config from before data.prompt_format (its dict lacks the key) and today's config at the
+    defaults share a key, so cached warm starts stay valid; the mapping rl.sft strips is today's
+    defaults, and a key off its default changes the key."""
+    from rl.config import DataConfig, to_dict
+    from rl.sft import _ADDED_DATA_KEYS, _sft_dir
+    defaults = to_dict(DataConfig())
+    assert {k: defaults[k] for k in _ADDED_DATA_KEYS} == _ADDED_DATA_KEYS
+    cfg = _cfg()
+    old = to_dict(cfg)
+    old["data"] = {k: v for k, v in old["data"].items() if k not in _ADDED_DATA_KEYS}
+    assert _sft_dir(old) == sft_dir(cfg)
+    assert sft_dir(_cfg("data.prompt_format=chat_template")) != sft_dir(cfg)
