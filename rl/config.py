@@ -659,7 +659,16 @@ class ClusterConfig:
 @dataclass(kw_only=True, slots=True)
 class SftConfig:
     steps: int = 300
-    """Optimizer steps of the SFT warm start."""
+    """Optimizer steps of the SFT warm start (with `target_accuracy`: at most this many)."""
+    target_accuracy: float | None = None
+    """Stop the warm start at the first check (every `check_every` steps) whose greedy accuracy on
+    `check_examples` training problems reaches this; null: always `steps` steps. Pins the warm
+    start's level rather than its step count: on a task learned in a sudden jump, a fixed step
+    count lands before or after the jump depending on the CPU's rounding."""
+    check_every: int = 10
+    """Steps between the checks of `target_accuracy`."""
+    check_examples: int = 256
+    """Training problems (the first ones; never the eval split) greedily decoded at each check."""
     batch_size: int = 64
     """Examples per SFT step, drawn with replacement from the training set."""
     lr: float = 3e-3
@@ -671,8 +680,11 @@ class SftConfig:
     (cache_dir itself aside)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "steps", "batch_size", "lr")
+        _positive(self, "steps", "batch_size", "lr", "check_every", "check_examples")
         _non_negative(self, "warmup_steps")
+        if self.target_accuracy is not None:
+            _check(0 < self.target_accuracy <= 1, "target_accuracy", self.target_accuracy,
+                   "null or a fraction in (0, 1]")
 
 
 @dataclass(kw_only=True, slots=True)

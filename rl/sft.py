@@ -31,6 +31,8 @@ _ABSENT = object()
 # {data key: its default}: keys DataConfig gained after the cache key's format 1.
 _ADDED_DATA_KEYS = {"prompt_format": "auto",
                     "deepseek_v4": {"thinking": True, "reasoning_effort": "high"}}
+# {sft key: its default}: likewise for SftConfig.
+_ADDED_SFT_KEYS = {"target_accuracy": None, "check_every": 10, "check_examples": 256}
 
 
 def _sft_dir(config: dict) -> Path:
@@ -44,10 +46,12 @@ def _sft_dir(config: dict) -> Path:
     # Data keys added after format 1 enter the key only off their defaults, so that cached warm
     # starts of configs that do not use them stay valid.
     data = {k: v for k, v in config["data"].items() if _ADDED_DATA_KEYS.get(k, _ABSENT) != v}
-    blob = json.dumps({"model": model, "data": data,
-                       "sft": {k: v for k, v in sft.items() if k != "cache_dir"},
+    sft = {k: v for k, v in sft.items()
+           if k != "cache_dir" and _ADDED_SFT_KEYS.get(k, _ABSENT) != v}
+    blob = json.dumps({"model": model, "data": data, "sft": sft,
                        "seed": config["seed"], "format": 1, "preset_dir": base}, sort_keys=True)
-    return Path(sft["cache_dir"]) / f"{name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+    digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
+    return Path(config["sft"]["cache_dir"]) / f"{name}-{digest}"
 
 
 def sft_dir(cfg: Config) -> Path:
@@ -133,9 +137,14 @@ def run_sft(cfg: Config) -> tuple[Path, float]:
         return 0.5 * (1 + math.cos(math.pi * (step - s.warmup_steps) / max(s.steps - s.warmup_steps, 1)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    say(f"SFT warm start: training {s.steps} steps x {s.batch_size} examples on {len(train)} "
-        f"prompts (model {base}); cached for later runs")
+    until = "" if s.target_accuracy is None else (
+        f" (or until {s.target_accuracy:.2f} greedy accuracy on {len(train[:s.check_examples])} "
+        f"training problems, checked every {s.check_every})")
+    say(f"SFT warm start: training {s.steps} steps{until} x {s.batch_size} examples on "
+        f"{len(train)} prompts (model {base}); cached for later runs")
     t0 = time.perf_counter()
+    checks: list[tuple[int, float]] = []
+    steps_done = s.steps
     for step in range(s.steps):
         batch = [data[rng.randrange(len(data))] for _ in range(s.batch_size)]
         width = max(len(p) + len(a) for p, a in batch)
@@ -155,17 +164,25 @@ def run_sft(cfg: Config) -> tuple[Path, float]:
             # Progress goes to the log: the console shows one line when it starts, one when done.
             log.info("sft step %4d/%d  loss %.4f  %.0fs", step + 1, s.steps, loss.item(),
                      time.perf_counter() - t0)
+        if s.target_accuracy is not None and (step + 1) % s.check_every == 0:
+            checks.append((step + 1, greedy_accuracy(model, tok, cfg, train[:s.check_examples],
+                                                     cfg.rollout.max_new_tokens)))
+            model.train()
+            log.info("sft step %4d: %.3f greedy accuracy on training problems", *checks[-1])
+            if checks[-1][1] >= s.target_accuracy:
+                steps_done = step + 1
+                break
     accuracy = greedy_accuracy(model, tok, cfg, evals[: cfg.eval.num_prompts], cfg.rollout.max_new_tokens)
     out = sft_dir(cfg)
     tmp = out.with_name(f".tmp-{out.name}-{uuid.uuid4().hex[:6]}")
     tmp.mkdir(parents=True)
     save_model(model, tmp)  # the layout both HF and vLLM read (original names for DeepSeek-V4)
     tok.save_pretrained(tmp)
-    (tmp / "sft.json").write_text(json.dumps({"eval_accuracy": accuracy, "steps": s.steps,
-                                              "base": str(base)}, indent=2))
+    (tmp / "sft.json").write_text(json.dumps({"eval_accuracy": accuracy, "steps": steps_done,
+                                              "checks": checks, "base": str(base)}, indent=2))
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    say(f"SFT done in {time.perf_counter() - t0:.0f}s: greedy eval accuracy {accuracy:.3f} "
-        f"-> {out}")
+    say(f"SFT done in {time.perf_counter() - t0:.0f}s ({steps_done} steps): greedy eval "
+        f"accuracy {accuracy:.3f} -> {out}")
     return out, accuracy

@@ -43,3 +43,16 @@ def test_data_keys_added_later_keep_existing_keys_at_their_defaults():
     old["data"] = {k: v for k, v in old["data"].items() if k not in _ADDED_DATA_KEYS}
     assert _sft_dir(old) == sft_dir(cfg)
     assert sft_dir(_cfg("data.prompt_format=chat_template")) != sft_dir(cfg)
+
+
+def test_sft_keys_added_later_keep_existing_keys_at_their_defaults():
+    """Likewise for the target-accuracy keys of SftConfig."""
+    from rl.config import SftConfig, to_dict
+    from rl.sft import _ADDED_SFT_KEYS, _sft_dir
+    defaults = to_dict(SftConfig())
+    assert {k: defaults[k] for k in _ADDED_SFT_KEYS} == _ADDED_SFT_KEYS
+    cfg = _cfg()
+    old = to_dict(cfg)
+    old["sft"] = {k: v for k, v in old["sft"].items() if k not in _ADDED_SFT_KEYS}
+    assert _sft_dir(old) == sft_dir(cfg)
+    assert sft_dir(_cfg("sft.target_accuracy=0.3")) != sft_dir(cfg)
