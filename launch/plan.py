@@ -6,6 +6,11 @@ and suggestions, then an estimate of one RL step's time (rl/plan/timing.py). Rea
 config and the model's config.json only (never weights), so a 284B model plans in well under a
 second on a laptop. Exit status: 0 fits, 1 does not fit, 2 config error (one line on stderr),
 unknown `cluster.slurm_params` included.
+
+`--search` re-plans the same job in every layout (ZeRO stage, expert parallelism, optimizer and
+parameter offload, rollout tensor parallelism; `rl/plan/search.py`) and prints those that fit,
+fastest first, marking the ones that leave `--headroom` (default 5%) of every memory budget
+free. Exit status 0 when one does, 1 when none does.
 """
 from __future__ import annotations
 
@@ -38,11 +43,38 @@ def check_or_exit(cfg: Config, title: str) -> None:
              "(fix the config or pass --no-plan-check)", EXIT_USAGE)
 
 
+def search_or_exit(cfg: Config, title: str, headroom: float) -> int:
+    """Print the layout table; 0 when a layout leaves `headroom` free, else 1."""
+    from rl.plan import arch, search, source
+    try:
+        search.require_gpus(cfg)  # before model_config: a preset would be built to read it
+        config, where, _ = source.model_config(cfg)
+        layouts = search.search(cfg, arch.parse(config, where))
+    except ConfigError as e:
+        fail(f"config error: {e}")
+    text, best = search.report(title, layouts, headroom)
+    print(text)
+    return 0 if best is not None else 1
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = split_config_args(config_parser(__doc__).parse_args(argv))
+    p = config_parser(__doc__)
+    p.add_argument("--search", action="store_true",
+                   help="re-plan every layout (ZeRO stage, EP, offload, rollout TP) and print "
+                        "those that fit, fastest first")
+    p.add_argument("--headroom", type=float, default=0.05,
+                   help="--search: fraction of every memory budget a layout must leave free "
+                        "(default 0.05)")
+    args = split_config_args(p.parse_args(argv))
+    if not 0 <= args.headroom < 1:
+        fail(f"config error: <command line>: --headroom {args.headroom}, expected a value in "
+             "[0, 1)")
     cfg = load_or_exit(args.config_files, args.overrides)
     check_slurm_params_or_exit(cfg)  # the job would refuse them: so does the plan
-    verdict = _verdict(cfg, " ".join([args.config, *args.overrides]))
+    title = " ".join([args.config, *args.overrides])
+    if args.search:
+        return search_or_exit(cfg, title, args.headroom)
+    verdict = _verdict(cfg, title)
     print(verdict.report)
     return 0 if verdict.fits else 1
 
