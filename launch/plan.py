@@ -20,6 +20,7 @@ from launch.checks import check_slurm_params_or_exit
 from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
                            split_config_args)
 from rl.config import Config, ConfigError
+from rl.plan import PlanVerdict
 
 
 def _verdict(cfg: Config, title: str):
@@ -30,17 +31,28 @@ def _verdict(cfg: Config, title: str):
         fail(f"config error: {e}")
 
 
-def check_or_exit(cfg: Config, title: str) -> None:
-    """For `launch.submit`: if the plan fits, print one line with the step-time estimate and
-    return; else print the report to stderr and exit 2."""
+def fitting_plan_or_exit(cfg: Config, title: str) -> PlanVerdict:
+    """The plan of `cfg` when it fits; else print the report to stderr and exit 2."""
     verdict = _verdict(cfg, title)
-    if verdict.fits and verdict.time is not None:
-        print(f"plan: FITS, {verdict.time.summary} (`python -m launch.plan` for the breakdown)",
-              file=sys.stderr)
     if not verdict.fits:
         print(verdict.report, file=sys.stderr)
         fail(f"{title}: refusing to submit, the memory plan above does not fit "
              "(fix the config or pass --no-plan-check)", EXIT_USAGE)
+    return verdict
+
+
+def plan_line(verdict: PlanVerdict) -> str:
+    """One line: the verdict and the step-time estimate."""
+    estimate = f", {verdict.time.summary}" if verdict.time is not None else ""
+    return f"plan: FITS{estimate} (`python -m launch.plan` for the breakdown)"
+
+
+def check_or_exit(cfg: Config, title: str) -> None:
+    """For `launch.submit`: if the plan fits, print one line with the step-time estimate and
+    return; else print the report to stderr and exit 2."""
+    verdict = fitting_plan_or_exit(cfg, title)
+    if verdict.time is not None:
+        print(plan_line(verdict), file=sys.stderr)
 
 
 def search_or_exit(cfg: Config, title: str, headroom: float) -> int:
