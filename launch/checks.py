@@ -4,15 +4,22 @@ whether a local vLLM-CPU engine can run the model at all.
 
 Each failure is one line on stderr and exit status 2 (`launch.common.fail`). The job repeats the
 resume check (`rl.resume.check_and_save_config`) as a safety net; the data it reads is the same.
+A check that cannot run here (a file only the job's nodes have) returns why, as one line, for
+`launch.submit --dry-run` to report; it returns None when it ran.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from launch.common import fail, quiet_libraries
 from rl.config import Config, ConfigError, to_dict
+
+if TYPE_CHECKING:
+    from rl.plan import PlanVerdict
 
 
 def check_slurm_params_or_exit(cfg: Config) -> None:
@@ -52,17 +59,42 @@ def check_resume_or_exit(cfg: Config, force: bool) -> None:
              "--no-resume to start over, or use another name)")
 
 
-def check_data_or_exit(cfg: Config) -> None:
+@dataclass(slots=True)
+class Preflight:
+    """What `launch.submit`'s checks did: for `--dry-run` to report."""
+    ran: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """(check, why it did not run here)."""
+    plan: PlanVerdict | None = None
+    """The memory plan's `rl.plan.PlanVerdict` when it was checked."""
+
+    def record(self, check: str, skipped_because: str | None) -> None:
+        if skipped_because is None:
+            self.ran.append(check)
+        else:
+            self.skipped.append((check, skipped_because))
+
+
+def missing_data_files(cfg: Config) -> list[str]:
+    """The data files (`data.train_path`, `data.eval_path`) that are not on this machine."""
+    if cfg.data.source != "file":
+        return []
+    return [p for p in (cfg.data.train_path, cfg.data.eval_path)
+            if p is not None and not Path(p).is_file()]
+
+
+def check_data_or_exit(cfg: Config) -> str | None:
     """Read every row of both splits as the job will (`rl.data.build_datasets`) and encode the
     prompts with the run's tokenizer when it is at hand (`rl.data.datasets.prompt_ids`, the
     job's encoder): for a file source each prompt's length, for a synthetic one with model.path
     the first prompt (the format: a chat template, DeepSeek-V4's markers). Exit 2 on the first
-    problem, naming `file:line`, or the data key whose format the tokenizer cannot carry."""
+    problem, naming `file:line`, or the data key whose format the tokenizer cannot carry.
+    Returns why the prompt lengths were not measured (no tokenizer here), else None."""
     from rl.data import DataError, build_datasets
     try:
         train, evals = build_datasets(cfg.data, cfg.seed)
         if cfg.data.source == "file":
-            _check_prompt_lengths(cfg, train + evals)
+            return _check_prompt_lengths(cfg, train + evals)
         elif cfg.model.path is not None and train:
             _check_prompt_format(cfg, train[0])
     except DataError as e:
@@ -71,14 +103,16 @@ def check_data_or_exit(cfg: Config) -> None:
         fail(f"data error: {e}{hint}")
     except ConfigError as e:
         fail(f"config error: {e}")
+    return None
 
 
-def _check_prompt_lengths(cfg: Config, examples) -> None:
+def _check_prompt_lengths(cfg: Config, examples) -> str | None:
     """DataError naming the first prompt longer than data.max_prompt_tokens (the job would keep
-    only its last tokens). Skipped when the tokenizer is not on this machine."""
+    only its last tokens). Skipped, returning why, when the tokenizer is not on this machine."""
     tokenizer = _tokenizer(cfg)
     if tokenizer is None:
-        return
+        return (f"model.path {cfg.model.path} is not on this machine: no tokenizer to measure "
+                "the prompts against data.max_prompt_tokens")
     from rl.data import DataError
     from rl.data.datasets import prompt_ids
     # A prompt must also leave the engine room for one generated token (vLLM refuses it
@@ -101,6 +135,7 @@ def _check_prompt_lengths(cfg: Config, examples) -> None:
               f"({cfg.rollout.max_new_tokens}) exceeds rollout.max_model_len "
               f"({cfg.rollout.max_model_len}): its responses end early (finish reason 'length')",
               flush=True)
+    return None
 
 
 def _check_prompt_format(cfg: Config, example) -> None:
@@ -130,18 +165,20 @@ def _tokenizer(cfg: Config):
 _PROBED_ON_CPU = {"deepseek_v4": "tiny-deepseek-v4"}
 
 
-def check_rollout_checkpoint_or_exit(cfg: Config) -> None:
+def check_rollout_checkpoint_or_exit(cfg: Config) -> str | None:
     """Exit 2 when `rollout.model_path` is a DeepSeek-V4 checkpoint with MXFP4 experts (the
     published one, or `launch.convert --rollout-experts fp4`): the weight sync sends block-FP8
     experts, which such an engine cannot load (`rl.rollout.weights.engine_loads_block_fp8`), so
     the job would die at its first weight update, after the allocation started. FP8 experts
-    (`launch.convert --rollout-experts fp8`, the default) pass."""
+    (`launch.convert --rollout-experts fp8`, the default) pass. Returns why it did not run (the
+    directory is not on this machine), else None."""
     import json
     if cfg.rollout.model_path is None:
-        return
+        return None
     config = Path(cfg.rollout.model_path) / "config.json"
-    if not config.is_file():
-        return  # the engine names a missing directory itself (rl.rollout.vllm_engine)
+    if not config.is_file():  # the engine names a missing directory itself (vllm_engine)
+        return (f"rollout.model_path {cfg.rollout.model_path} is not on this machine: whether "
+                "its experts are FP8 (what the weight sync sends) is not checked")
     from rl.rollout.weights import mxfp4_experts
     hf = json.loads(config.read_text())
     if hf.get("quantization_config") and mxfp4_experts(hf.get("model_type"),
@@ -150,19 +187,22 @@ def check_rollout_checkpoint_or_exit(cfg: Config) -> None:
              "(config.json expert_dtype fp4, or none: vLLM's default); the weight sync sends "
              "block-FP8 experts, which that engine cannot load: write the rollout checkpoint "
              "with `python -m launch.convert SRC --rollout-out DIR --rollout-experts fp8`")
+    return None
 
 
-def check_engine_or_exit(cfg: Config) -> None:
+def check_engine_or_exit(cfg: Config, probe: bool = True) -> str | None:
     """Exit 2 when a local run's vLLM engine cannot run the model on this CPU (DeepSeek-V4 needs
     AVX-512-BF16 kernels and triton-cpu). Decided by running vLLM on the tiny preset of the same
-    architecture once per machine (`rl.rollout.vllm_probe`, cached under `.cache/probes/`)."""
+    architecture once per machine (`rl.rollout.vllm_probe`, cached under `.cache/probes/`).
+    `probe=False` (a dry run) uses a cached answer only, and returns why it did not run when
+    there is none."""
     if cfg.rollout.engine != "vllm" or cfg.cluster.kind != "local":
-        return
+        return None
     import json
 
     import torch
     if torch.cuda.is_available():
-        return
+        return None
     if cfg.model.path is None:
         from rl.models.presets import preset_config
         kind = preset_config(cfg.model.preset, 128).model_type
@@ -171,20 +211,24 @@ def check_engine_or_exit(cfg: Config) -> None:
         kind = json.loads(config.read_text()).get("model_type") if config.is_file() else None
     preset = _PROBED_ON_CPU.get(kind)
     if preset is None:
-        return
+        return None
     from rl.config import ModelConfig
     from rl.models.loading import resolve_model_dir
     from rl.rollout.vllm_probe import cached, run_probe
-    probe = f"vllm-cpu-{preset.removeprefix('tiny-')}"
-    if cached(probe) is None:
+    name = f"vllm-cpu-{preset.removeprefix('tiny-')}"
+    if cached(name) is None:
+        if not probe:
+            return (f"whether vLLM-CPU runs {kind} on this CPU is not known yet (a submission "
+                    "runs it once, 1-3 min, and remembers the answer)")
         print(f"checking once whether vLLM-CPU can run {kind} on this CPU (1-3 min)...",
               flush=True)
     answer = run_probe(resolve_model_dir(ModelConfig(preset=preset)), [[1, 40, 41, 42]], 2,
-                       probe, remember_success=True)
+                       name, remember_success=True)
     if not answer["ok"]:
         fail(f"rollout error: rollout.engine=vllm cannot run {kind} on this CPU: vLLM-CPU "
              f"fails to {answer.get('stage', 'load')} it ({answer['error']}); its {kind} path "
              "needs AVX-512-BF16 kernels and triton-cpu. Use rollout.engine=hf here")
+    return None
 
 
 def check_expert_parallel_or_exit(cfg: Config) -> None:

@@ -8,7 +8,9 @@ block-FP8 linears with ue8m0 `.scale`s, FP4 experts). `--trainer-out` gets BF16 
 `load_model` and DeepSpeed train); `--rollout-out` gets the FP8 layout vLLM's V4 model loads:
 with `--rollout-experts fp8` (the default, what the weight sync needs) the FP4 experts are
 requantised, losslessly, to the block-FP8 layout the sync sends (`expert_dtype: fp8`); with
-`fp4` the published tensors are copied unchanged (MXFP4 experts: no weight sync into it). One line per input shard.
+`fp4` the published tensors are copied unchanged (MXFP4 experts: no weight sync into it). The
+MTP layer (`mtp.*`) is kept only by that unchanged copy: the trainer does not train it and no
+weight sync updates it. One line per input shard.
 Rerunning the same command resumes an interrupted conversion and re-verifies every finished
 shard's sha256 (a corrupt one is converted again). Leaves out: BF16 -> FP8 requantisation of a
 trained checkpoint, and tensor-parallel resharding (vLLM shards at load time).

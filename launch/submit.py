@@ -8,6 +8,10 @@ where to watch it; with `--wait` it follows the job through its requeues instead
 Before anything starts, both refuse with one line and exit status 2 (`launch.checks`): a resume
 whose config differs from RUN_DIR/config.yaml in keys that matter (`--force`, `--no-resume`), and
 a malformed data row (`--no-data-check` for files only the job's nodes can read).
+
+`--dry-run` makes the same checks, then prints what would be submitted (the sbatch script, or
+what a local run starts), the plan's verdict and step estimate, and the checks it could not run
+here and why (`launch.dry_run`); it exits 0 without submitting or creating the run directory.
 """
 from __future__ import annotations
 
@@ -16,13 +20,21 @@ import signal
 import sys
 import time
 
-from launch.checks import (check_data_or_exit, check_engine_or_exit,
+from launch.checks import (Preflight, check_data_or_exit, check_engine_or_exit,
                            check_expert_parallel_or_exit, check_resume_or_exit,
-                           check_rollout_checkpoint_or_exit, check_slurm_params_or_exit)
+                           check_rollout_checkpoint_or_exit, check_slurm_params_or_exit,
+                           missing_data_files)
 from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
                            split_config_args, stream_errors, stream_output)
 from launch.rundir import archive_run_dir
 from rl.console import job_log
+
+
+def local_description(cfg) -> str:
+    """What a local job starts, in the order it starts it."""
+    warm = "the SFT warm start (unless cached), then " if cfg.model.warm_start else ""
+    return (f"{warm}{cfg.trainer.num_ranks} trainer rank(s) and {cfg.rollout.num_engines} "
+            f"{cfg.rollout.engine} engine(s) start")
 
 
 def run_local(cfg, args) -> int:
@@ -43,10 +55,8 @@ def run_local(cfg, args) -> int:
     finally:
         signal.signal(signal.SIGINT, previous)
     verbose = cfg.logging.verbose
-    warm = "the SFT warm start (unless cached), then " if cfg.model.warm_start else ""
-    print(f"local job {job.job_id} started in {cfg.run_dir.resolve()}: {warm}"
-          f"{cfg.trainer.num_ranks} trainer rank(s) and {cfg.rollout.num_engines} "
-          f"{cfg.rollout.engine} engine(s) start (minutes on a CPU)", flush=True)
+    print(f"local job {job.job_id} started in {cfg.run_dir.resolve()}: "
+          f"{local_description(cfg)} (minutes on a CPU)", flush=True)
     if not verbose:
         print(f"library output (vLLM, Ray, DeepSpeed, ...): {job_log(cfg.run_dir).resolve()} "
               "(logging.verbose=true prints it here)", flush=True)
@@ -82,6 +92,47 @@ def run_local(cfg, args) -> int:
     return exit_status(result)
 
 
+def run_checks(cfg, args) -> Preflight:
+    """Everything that can be refused, refused here (exit 2, one line), before Ray, engines or
+    an allocation; returns what ran and what could not run on this machine (for --dry-run)."""
+    done = Preflight()
+    check_slurm_params_or_exit(cfg)
+    check_expert_parallel_or_exit(cfg)
+    done.ran += ["Slurm options", "expert parallelism"]
+    if args.no_resume:
+        done.skipped.append(("resume", "--no-resume: the old run directory is moved aside"))
+    else:
+        check_resume_or_exit(cfg, args.force)
+        done.ran.append("resume")
+    if cfg.cluster.kind != "slurm":  # a local CPU run has no GPU budget
+        done.skipped.append(("memory plan", "checked for Slurm jobs only"))
+    elif args.no_plan_check:
+        done.skipped.append(("memory plan", "--no-plan-check"))
+    else:
+        from launch.plan import check_or_exit, fitting_plan_or_exit
+        if args.dry_run:
+            done.plan = fitting_plan_or_exit(cfg, args.config)
+        else:
+            check_or_exit(cfg, args.config)
+        done.ran.append("memory plan")
+    missing = missing_data_files(cfg) if args.dry_run else []
+    if args.no_data_check:
+        done.skipped.append(("data", "--no-data-check"))
+    elif missing:  # a submission refuses (exit 2, suggesting --no-data-check)
+        done.skipped.append(("data", f"{', '.join(missing)}: not on this machine (the job's "
+                                     "nodes read the data; submit with --no-data-check from "
+                                     "here)"))
+    else:
+        done.record("data", None)
+        if (why := check_data_or_exit(cfg)) is not None:
+            done.skipped.append(("prompt lengths", why))
+    if cfg.cluster.kind == "local" and cfg.rollout.engine == "vllm":
+        done.record("vLLM-CPU engine", check_engine_or_exit(cfg, probe=not args.dry_run))
+    if cfg.rollout.model_path is not None:
+        done.record("rollout checkpoint", check_rollout_checkpoint_or_exit(cfg))
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     p = config_parser(__doc__)
     p.add_argument("--no-resume", action="store_true",
@@ -93,23 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait", action="store_true",
                    help="Slurm: follow the job (through requeues) and stream its output; exit "
                         "status 0 when the run finished (a local run always waits)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="make the checks, print the sbatch script (or what a local run starts), "
+                        "the plan and the checks that could not run here; submit nothing")
     args = split_config_args(p.parse_args(argv))
     cfg = load_or_exit(args.config_files, args.overrides)
-    # Everything that can be refused is refused here, before Ray, engines or an allocation.
-    check_slurm_params_or_exit(cfg)
-    check_expert_parallel_or_exit(cfg)
-    if not args.no_resume:
-        check_resume_or_exit(cfg, args.force)
-    if cfg.cluster.kind == "slurm" and not args.no_plan_check:  # a local CPU run has no GPU budget
-        from launch.plan import check_or_exit
-        check_or_exit(cfg, args.config)
-    if not args.no_data_check:
-        check_data_or_exit(cfg)
-    check_engine_or_exit(cfg)
-    check_rollout_checkpoint_or_exit(cfg)
+    done = run_checks(cfg, args)
     from rl.data.datasets import eval_note
     if note := eval_note(cfg.data, cfg.seed):
         print(note, flush=True)
+    if args.dry_run:
+        from launch.dry_run import print_dry_run
+        return print_dry_run(cfg, args, done)
     if args.no_resume and (old := archive_run_dir(cfg.run_dir)) is not None:
         print(f"--no-resume: moved the previous run to {old}; starting over", flush=True)
     if cfg.cluster.kind == "local":

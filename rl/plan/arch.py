@@ -16,6 +16,7 @@ import fnmatch
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,9 +88,16 @@ class Arch:
     memo: dict = field(default_factory=dict, compare=False, repr=False)
     """Results of pure functions of this Arch (suggestions re-plan many times)."""
 
+    def memoised(self, key: str, compute: Callable[[], Any]) -> Any:
+        """`compute()`, once per Arch (`launch.plan --search` and the suggestions re-plan the
+        same model hundreds of times; a 284B model has ~5,600 tensors to sum)."""
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
+
     @property
     def total_params(self) -> int:
-        return sum(t.numel for t in self.tensors)
+        return self.memoised("total_params", lambda: sum(t.numel for t in self.tensors))
 
     @property
     def active_params(self) -> int:
@@ -101,13 +109,15 @@ class Arch:
         """
         unused = 0.0
         if self.num_experts:
-            routed = sum(t.numel for t in self.tensors if t.routed)
+            routed = self.memoised("routed_params",
+                                   lambda: sum(t.numel for t in self.tensors if t.routed))
             unused = routed * (1 - self.top_k / self.num_experts)
         return round(self.total_params - unused - self.input_embedding_params)
 
     @property
     def input_embedding_params(self) -> int:
-        return sum(t.numel for t in self.tensors if t.name == "model.embed_tokens.weight")
+        return self.memoised("input_embedding_params", lambda: sum(
+            t.numel for t in self.tensors if t.name == "model.embed_tokens.weight"))
 
     def largest_module(self) -> int:
         """Parameters of the largest module (ZeRO-3 gathers a module's parameters together)."""

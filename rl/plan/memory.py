@@ -100,11 +100,13 @@ def sequence_length(cfg: Config) -> int:
 
 def _largest_dense_module(arch: Arch) -> int:
     """The largest module ZeRO-3 gathers when the routed experts are expert-parallel."""
-    sizes: dict[str, int] = {}
-    for x in arch.tensors:
-        if not x.routed:
-            sizes[x.module] = sizes.get(x.module, 0) + x.numel
-    return max(sizes.values())
+    def compute() -> int:
+        sizes: dict[str, int] = {}
+        for x in arch.tensors:
+            if not x.routed:
+                sizes[x.module] = sizes.get(x.module, 0) + x.numel
+        return max(sizes.values())
+    return arch.memoised("largest_dense_module", compute)
 
 
 def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:

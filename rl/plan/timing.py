@@ -81,7 +81,8 @@ def device(cfg: Config) -> Device:
 # Components (pure functions, also used by bench.plan_time)
 # ----------------------------------------------------------------------------------------------
 def _attention_params(arch: Arch) -> int:
-    return sum(t.numel for t in arch.tensors if ".self_attn." in t.name)
+    return arch.memoised("attention_params", lambda: sum(
+        t.numel for t in arch.tensors if ".self_attn." in t.name))
 
 
 def attention_flops_per_token(arch: Arch, seq: int) -> float:

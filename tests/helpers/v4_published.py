@@ -2,10 +2,12 @@
 
 Attention / indexer / shared-expert linears as block-FP8 with ue8m0 scales, routed experts as
 packed FP4 (MXFP4, ue8m0 per 32 inputs), split over three shards with an index, one scale stored
-in another shard than its weight. The FP4 quantiser and the references here are written
-independently of `rl.models.convert` and `rl.quant` (own e2m1 table and bit order, own scale
-broadcast, own block-FP8 quantiser); the published FP8 linears are made with
-`rl.quant.block_fp8` (power-of-two scales), only as input data.
+in another shard than its weight. With `mtp=True` a fourth shard holds an MTP layer in the
+published names (`mtp.0.*`, see `mtp_layer`), as the last shard of DeepSeek-V4-Flash does. The
+FP4 quantiser and the references here are written independently of `rl.models.convert` and
+`rl.quant` (own e2m1 table and bit order, own scale broadcast, own block-FP8 quantiser); the
+published FP8 linears are made with `rl.quant.block_fp8` (power-of-two scales), only as input
+data.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from rl.quant.block_fp8 import quantize_weight_block
 # The linears vLLM's V4 builds with the FP8 quant config (attention.py, nvidia/model.py); the
 # compressors, the indexer's weights_proj, routers, embeddings and head get quant_config=None.
 FP8_RE = re.compile(r"\.(attn\.(wq_a|wkv|wq_b|wo_a|wo_b)|attn\.indexer\.wq_b|"
-                    r"ffn\.shared_experts\.w[123])\.weight$")
+                    r"ffn\.shared_experts\.w[123]|[eh]_proj)\.weight$")
 FP4_RE = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 FP32_RE = re.compile(r"hc_|attn_sink|\.gate\.bias$")
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -74,12 +76,37 @@ def ref_block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
-def write_published(state: dict[str, torch.Tensor], config: dict, extras: Path, dst: Path
-                    ) -> dict[str, torch.Tensor]:
+def mtp_layer(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """One MTP layer (`mtp.0.*`) in the names of DeepSeek-V4-Flash's published checkpoint and of
+    DeepSeek's inference code (`MTPBlock(Block)`): a whole decoder block (attention without
+    compressor or indexer, as the published `mtp.0.attn.*` has none; the MoE with its router
+    bias; `hc_attn_*` / `hc_ffn_*`), plus `e_proj` / `h_proj` (FP8 linears, hidden -> hidden),
+    `enorm` / `hnorm` / `norm` and its own `hc_head_{fn,base,scale}`. No embedding or head: the
+    MTP layer shares the main model's. The block's values are the last layer's of `state` (the
+    converter only reads names, dtypes and shapes); the rest are drawn from a fixed seed."""
+    last = f"layers.{config['num_hidden_layers'] - 1}."
+    out = {"mtp.0." + n[len(last):]: t.clone() for n, t in state.items()
+           if n.startswith(last) and ".compressor." not in n and ".indexer." not in n}
+    g = torch.Generator().manual_seed(0)
+    hidden, hc = config["hidden_size"], config["hc_mult"]
+    for name in ("e_proj", "h_proj"):
+        out[f"mtp.0.{name}.weight"] = torch.randn(hidden, hidden, generator=g) * hidden ** -0.5
+    for name in ("enorm", "hnorm", "norm"):
+        out[f"mtp.0.{name}.weight"] = torch.ones(hidden)
+    out["mtp.0.hc_head_fn"] = torch.randn(hc, hc * hidden, generator=g) * 0.02
+    out["mtp.0.hc_head_base"] = torch.zeros(hc)
+    out["mtp.0.hc_head_scale"] = torch.ones(1)
+    return out
+
+
+def write_published(state: dict[str, torch.Tensor], config: dict, extras: Path, dst: Path,
+                    mtp: bool = False) -> dict[str, torch.Tensor]:
     """Write `state` (checkpoint names) quantised in the published layout into `dst`, with
     `config` plus the published quantization_config and every non-weight file of `extras`
-    (tokenizer, generation config). Returns {name: the reference dequantised tensor (fp32) or
-    the original tensor as stored}."""
+    (tokenizer, generation config); `mtp`: add `mtp_layer(state, config)` in a shard of its own.
+    Returns {name: the reference dequantised tensor (fp32) or the original tensor as stored}."""
+    if mtp:
+        state = {**state, **mtp_layer(state, config)}
     tensors, reference = {}, {}
     for name, t in state.items():
         base = name[:-len(".weight")]
@@ -95,12 +122,15 @@ def write_published(state: dict[str, torch.Tensor], config: dict, extras: Path, 
             tensors[name] = t if keep32 else t.to(torch.bfloat16)
             reference[name] = tensors[name]
     dst.mkdir()
-    names = sorted(tensors)
+    names = sorted(n for n in tensors if not n.startswith("mtp."))
+    num_shards = 4 if mtp else 3
+    shard = [f"model-{i:05d}-of-{num_shards:05d}.safetensors" for i in range(1, num_shards + 1)]
     weight_map = {}
-    for i, part in enumerate([names[i::3] for i in range(3)], start=1):
-        weight_map.update({n: f"model-{i:05d}-of-00003.safetensors" for n in part})
-    weight_map[CROSS_SHARD_SCALE] = "model-00003-of-00003.safetensors"
-    weight_map[CROSS_SHARD_SCALE[:-len(".scale")] + ".weight"] = "model-00001-of-00003.safetensors"
+    for i in range(3):
+        weight_map.update({n: shard[i] for n in names[i::3]})
+    weight_map.update({n: shard[-1] for n in tensors if n.startswith("mtp.")})
+    weight_map[CROSS_SHARD_SCALE] = shard[2]
+    weight_map[CROSS_SHARD_SCALE[:-len(".scale")] + ".weight"] = shard[0]
     for fname in sorted(set(weight_map.values())):
         save_file({n: tensors[n].contiguous() for n, f in weight_map.items() if f == fname},
                   str(dst / fname), metadata={"format": "pt"})

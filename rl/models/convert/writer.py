@@ -3,12 +3,11 @@
 Targets:
   * `trainer`: BF16 for DeepSpeed. Every FP8 / FP4 weight is dequantised to BF16 (exact with
     ue8m0 scales) and its `.scale` dropped; other tensors keep their dtype (fp32 mHC, sinks and
-    router biases stay fp32); the MTP layer (`mtp.*`) is left out (transformers' V4 has none and
-    ignores it). Names stay DeepSeek's, which `load_model` (transformers 5.19) reads, the same
-    form `presets.save_model` writes. config.json loses `quantization_config`, gains
-    `expert_dtype: bf16`.
-  * `rollout`: a layout vLLM 0.32's V4 FP8 model (`DeepseekV4FP8Config`) loads, with MTP, in
-    one of two expert forms (`ROLLOUT_EXPERTS`):
+    router biases stay fp32). Names stay DeepSeek's, which `load_model` (transformers 5.19)
+    reads, the same form `presets.save_model` writes. config.json loses `quantization_config`,
+    gains `expert_dtype: bf16`.
+  * `rollout`: a layout vLLM 0.32's V4 FP8 model (`DeepseekV4FP8Config`) loads, in one of two
+    expert forms (`ROLLOUT_EXPERTS`):
     - `fp8` (what the weight sync needs): the FP4 routed experts requantised to block FP8 in
       the sync wire's layout (`X.weight` e4m3 + `X.scale` fp32, one scale per 128 x 128 block),
       vLLM's `expert_dtype: fp8` layout (Fp8MoEMethod's `w13/w2_weight_scale_inv`), losslessly
@@ -16,6 +15,14 @@ Targets:
       fp32 (exact), the dtype vLLM allocates when the experts are FP8.
     - `fp4`: every tensor copied unchanged (MXFP4 experts, `expert_dtype: fp4`), which an engine
       fed by the weight sync cannot use (the wire carries FP8 experts).
+
+The MTP layer (`mtp.*`, ~13 GB in BF16 at Flash scale) is kept only by the `fp4` rollout form
+(`keeps_mtp`). The trainer does not train it (transformers' V4 has no MTP module and ignores the
+names). vLLM's V4 model drops `mtp.*` unless speculative decoding is configured, which the
+rollout engine does not do, and the weight sync never sends MTP: in a weight-synced engine it
+would draft for the pre-RL policy after the first sync. The `fp4` copy, which no sync changes,
+keeps it for a standalone engine that may use it as a speculative draft. An input shard holding
+only MTP tensors (the published Flash's last shard) produces no output file.
 
 Resumability: output shards are written to a temporary name and renamed; after all parts of an
 input shard are in place, `convert_manifest.json` (also replaced atomically) records their
@@ -44,7 +51,10 @@ from rl.quant.block_fp8 import DEFAULT_BLOCK, quantize_weight_block
 TARGETS = ("trainer", "rollout")
 ROLLOUT_EXPERTS = ("fp8", "fp4")
 MANIFEST = "convert_manifest.json"
-FORMAT_VERSION = 1
+# 2: the trainer and the fp8 rollout form leave the MTP layer out (1 wrote its quantised
+# tensors into both); a directory written by 1 is refused rather than resumed half one, half two.
+FORMAT_VERSION = 2
+MTP_PREFIX = "mtp."
 _SKIP_FILES = {INDEX_FILE, "config.json", MANIFEST}
 
 
@@ -107,6 +117,11 @@ def fp4_as_block_fp8(weight: torch.Tensor, scale: torch.Tensor
                                  DEFAULT_BLOCK, pow2=True)
 
 
+def keeps_mtp(target: str, experts: str) -> bool:
+    """Whether the output keeps the MTP layer (`mtp.*`): only the unchanged fp4 rollout copy."""
+    return target == "rollout" and experts == "fp4"
+
+
 def _rollout_tensors(src: Source, reader: _Reader, name: str, experts: str):
     """The rollout outputs of input tensor `name` (see the module doc)."""
     if experts == "fp4":
@@ -126,14 +141,17 @@ def _rollout_tensors(src: Source, reader: _Reader, name: str, experts: str):
 
 def _output_tensors(src: Source, reader: _Reader, shard: str, target: str, experts: str):
     """(name, tensor) pairs for the outputs of input `shard`, one at a time, in name order."""
+    mtp = keeps_mtp(target, experts)
     for name in sorted(src.headers[shard]):
+        if name.startswith(MTP_PREFIX) and not mtp:
+            continue
         kind = src.kind(name)
         if target == "rollout":
             yield from _rollout_tensors(src, reader, name, experts)
         elif kind in ("fp8", "fp4"):
             base = name[:-len(".weight")]
             yield name, dequantize(kind, reader.get(name), reader.get(base + ".scale"), src.block)
-        elif kind == "plain" and not name.startswith("mtp."):
+        elif kind == "plain":
             yield name, reader.get(name)
 
 
@@ -147,7 +165,8 @@ def _save_part(tensors: dict[str, torch.Tensor], out_dir: Path, fname: str) -> s
 
 def _convert_shard(src: Source, reader: _Reader, shard_no: int, shard: str, target: str,
                    experts: str, out_dir: Path, max_shard_bytes: int) -> dict:
-    """Write the parts of one input shard; returns its manifest entry."""
+    """Write the parts of one input shard; returns its manifest entry (no files when the
+    target keeps none of its tensors)."""
     files, part, size = {}, {}, 0
     weight_map: dict[str, str] = {}
 
@@ -163,7 +182,7 @@ def _convert_shard(src: Source, reader: _Reader, shard_no: int, shard: str, targ
         if part and size + nbytes > max_shard_bytes:
             flush()
         part[name], size = tensor.contiguous(), size + nbytes
-    if part or not files:
+    if part:
         flush()
     return {"files": files, "weight_map": weight_map}
 
@@ -240,7 +259,12 @@ def convert(src: Source, out_dir: str | Path, target: str, *, rollout_experts: s
     manifest_path = out_dir / MANIFEST
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
-        if manifest.get("fingerprint") != fingerprint:
+        recorded = manifest.get("fingerprint") or {}
+        if recorded.get("format_version") != FORMAT_VERSION:
+            raise ConvertError(f"{manifest_path}: written by another converter version (format "
+                               f"{recorded.get('format_version')}, this one writes "
+                               f"{FORMAT_VERSION}); convert into an empty directory")
+        if recorded != fingerprint:
             raise ConvertError(f"{manifest_path}: records a conversion of another source or "
                                f"target ({manifest.get('fingerprint')}); use an empty directory")
     elif any(out_dir.iterdir()):
@@ -264,8 +288,8 @@ def convert(src: Source, out_dir: str | Path, target: str, *, rollout_experts: s
         _write_json_atomic(manifest_path, manifest)
         reader.close()
         size = sum((out_dir / f).stat().st_size for f in entry["files"]) / 2**30
-        log(f"[{i}/{n}] {shard} -> {', '.join(entry['files'])} ({size:.3f} GiB, "
-            f"{time.monotonic() - t0:.1f} s)")
+        parts = ", ".join(entry["files"]) or f"nothing (no tensors for the {target})"
+        log(f"[{i}/{n}] {shard} -> {parts} ({size:.3f} GiB, {time.monotonic() - t0:.1f} s)")
         if on_shard_done is not None:
             on_shard_done(shard)
     total = _finish(src, out_dir, target, rollout_experts, manifest)

@@ -2,7 +2,8 @@
 
 The checkpoint is tiny-deepseek-v4's weights in DeepSeek's names, written by
 `tests.helpers.v4_published` (three shards and an index, block-FP8 linears with ue8m0 scales,
-MXFP4 experts, one scale in another shard than its weight). The FP8-expert rollout side, which
+MXFP4 experts, one scale in another shard than its weight, and a fourth shard holding an MTP
+layer, `mtp.0.*`, as the published Flash's last shard does). The FP8-expert rollout side, which
 needs block-aligned dims, is in test_convert_v4_fp8.py.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from launch.convert import main as convert_main
 from rl.config import ConfigError
 from rl.models.convert import ConvertError, convert, open_source
-from rl.models.convert.writer import MANIFEST, sha256_file
+from rl.models.convert.writer import FORMAT_VERSION, MANIFEST, sha256_file
 from rl.models.loading import load_model
 from rl.models.name_maps import checkpoint_state
 from rl.models.presets import build_model, build_preset
@@ -33,7 +34,7 @@ def published(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     state = dict(checkpoint_state(build_model("tiny-deepseek-v4", seed=0)))
     src = root / "published"
     config = json.loads((preset / "config.json").read_text())
-    return src, write_published(state, config, preset, src)
+    return src, write_published(state, config, preset, src, mtp=True)
 
 
 def _all_tensors(out: Path) -> dict[str, torch.Tensor]:
@@ -46,20 +47,61 @@ def test_trainer_side_loads_as_the_reference_dequantisation(published, tmp_path)
     out = tmp_path / "bf16"
     lines = []
     convert(open_source(src), out, "trainer", max_shard_bytes=400_000, log=lines.append)
-    assert [ln.split(" ")[0] for ln in lines[:3]] == ["[1/3]", "[2/3]", "[3/3]"]
-    assert len(json.loads((out / MANIFEST).read_text())["shards"]) == 3
+    assert [ln.split(" ")[0] for ln in lines[:4]] == ["[1/4]", "[2/4]", "[3/4]", "[4/4]"]
+    assert len(json.loads((out / MANIFEST).read_text())["shards"]) == 4
     written = _all_tensors(out)
     assert not any(n.endswith(".scale") for n in written)
     assert len({f for f in out.glob("model-*.safetensors")}) > 3  # 400 kB parts
+    reference = {n: t for n, t in reference.items() if not n.startswith("mtp.")}
     quantized = [n for n in reference if FP8_RE.search(n) or FP4_RE.search(n)]
     assert len(quantized) > 40 and all(written[n].dtype == torch.bfloat16 for n in quantized)
 
     model = load_model(out, torch.bfloat16)
     loaded = dict(checkpoint_state(model))
-    assert set(loaded) == set(reference)
+    assert set(loaded) == set(reference) == set(written)
     for name, ref in reference.items():
         # ue8m0 scales: the BF16 dequantisation is exact, so equality is exact.
         assert torch.equal(loaded[name], ref.to(loaded[name].dtype)), name
+
+
+def _mtp_names(names) -> set[str]:
+    return {n for n in names if n.startswith("mtp.")}
+
+
+@pytest.mark.parametrize("target, experts", [("trainer", "fp8"), ("rollout", "fp8")])
+def test_the_mtp_layer_is_left_out_where_nothing_uses_it(published, tmp_path, target, experts):
+    """The trainer does not train MTP, and a weight-synced engine (fp8 experts) would hold a
+    draft layer that no sync updates: neither directory gets `mtp.*`. The input shard that holds
+    only MTP produces no file, and the index, the manifest and the files agree."""
+    src = open_source(published[0])
+    mtp = _mtp_names(src.weight_map)
+    assert len(mtp) > 40 and {src.weight_map[n] for n in mtp} == {src.shards[-1]}
+    assert {n for n in mtp if src.kind(n) in ("fp8", "fp4")} >= {"mtp.0.e_proj.weight",
+                                                                 "mtp.0.ffn.experts.7.w2.weight"}
+    out = tmp_path / target
+    lines = []
+    convert(src, out, target, rollout_experts=experts, log=lines.append)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert not _mtp_names(index["weight_map"])
+    assert f"-> nothing (no tensors for the {target})" in lines[3]
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["shards"][src.shards[-1]] == {"files": {}, "weight_map": {}}
+    files = {p.name for p in out.glob("*.safetensors")}
+    assert set(index["weight_map"].values()) == files
+    assert files == {f for e in manifest["shards"].values() for f in e["files"]}
+    assert index["metadata"]["total_size"] == sum((out / f).stat().st_size for f in files)
+    written = _all_tensors(out)
+    assert set(written) == set(index["weight_map"]) and not _mtp_names(written)
+    kept = set(src.weight_map) - mtp
+    if target == "trainer":
+        kept = {n for n in kept if src.kind(n) != "scale"}
+    assert set(written) == kept
+
+    # A directory written by the converter that kept MTP is refused, not resumed.
+    manifest["fingerprint"]["format_version"] = FORMAT_VERSION - 1
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ConvertError, match=r"written by another converter version"):
+        convert(src, out, target, rollout_experts=experts, log=lambda _: None)
 
 
 def test_interrupted_run_resumes_and_a_corrupt_shard_is_converted_again(published, tmp_path):
@@ -93,7 +135,7 @@ def test_interrupted_run_resumes_and_a_corrupt_shard_is_converted_again(publishe
     lines.clear()
     convert(src, out, "trainer", log=lines.append)
     assert any(f"{files[-1]}: checksum mismatch" in ln for ln in lines)
-    assert sum("sha256 verified" in ln for ln in lines) == 2
+    assert sum("sha256 verified" in ln for ln in lines) == 3  # 2 shards, and MTP's (no files)
     assert sha256_file(victim) == sha256_file(clean / files[-1])
 
 
@@ -116,7 +158,13 @@ def test_rollout_side_with_fp4_experts_is_the_published_layout_vllm_v4_loads(pub
     # scales to Mxfp4MoEMethod's `weight_scale` and the FP8 linears' to `weight_scale_inv`.
     from vllm.models.deepseek_v4.cpu.model import _make_deepseek_v4_weights_mapper
 
-    mapped = dict(zip(written, _make_deepseek_v4_weights_mapper("fp4").apply_list(list(written))))
+    # The copy keeps the MTP layer (no sync changes it); vLLM's V4 model drops it unless
+    # speculative decoding asks for it.
+    assert len(_mtp_names(written)) > 40
+    mapper = _make_deepseek_v4_weights_mapper("fp4")
+    assert mapper.apply_list(sorted(_mtp_names(written))) == []
+    written = {n: t for n, t in written.items() if not n.startswith("mtp.")}
+    mapped = dict(zip(written, mapper.apply_list(list(written))))
     hidden, inter = config["hidden_size"], config["moe_intermediate_size"]
     for name, t in written.items():
         if FP4_RE.search(name):

@@ -1,0 +1,79 @@
+"""`launch.plan --search`: the layouts of one job, re-planned, fastest first."""
+from pathlib import Path
+
+import pytest
+
+from launch.plan import main as plan_main
+from rl.config import load_config
+from rl.plan import arch, check, source
+from rl.plan.report import with_changes
+from rl.plan.search import report, search
+from rl.plan.timing import _fmt
+
+ROOT = Path(__file__).resolve().parents[3]
+V4 = ROOT / "configs/deepseek_v4_flash_3node.yaml"
+
+
+@pytest.fixture(scope="module")
+def v4_layouts():
+    cfg = load_config(V4)
+    config, where, _ = source.model_config(cfg)
+    return cfg, search(cfg, arch.parse(config, where))
+
+
+def test_3node_config_is_the_fastest_layout_with_5pct_headroom(v4_layouts):
+    cfg, layouts = v4_layouts
+    best = next(x for x in layouts if x.within(0.05))
+    assert best.changes == {}, best.overrides
+    fastest = layouts[0]
+    assert fastest.values["trainer.expert_parallel_size"] == 16 and not fastest.within(0.05)
+    assert fastest.step_s < best.step_s / 1.5
+    # the config's comment quotes these figures
+    leanest = min((x for x in layouts if x.step_s == fastest.step_s),
+                  key=lambda x: x.use["trainer GPU"])
+    text = " ".join(V4.read_text().split())
+    for figure in (f"estimated {_fmt(best.step_s)} a step", f"would take {_fmt(fastest.step_s)}",
+                   f"needs {leanest.use['trainer GPU']:.1%} of a trainer GPU"):
+        assert figure in text, figure
+    # and so do README and docs/layout_search.md
+    for doc in ("README.md", "docs/layout_search.md"):
+        text = " ".join((ROOT / doc).read_text().split())
+        for figure in (_fmt(best.step_s), _fmt(fastest.step_s)):
+            assert figure in text, (doc, figure)
+    assert f"| {_fmt(best.step_s)} | {best.use['trainer GPU']:.1%} |" in text
+    assert f"| {_fmt(fastest.step_s)} | {leanest.use['trainer GPU']:.1%} |" in text
+
+
+def test_rows_are_the_planners_numbers_for_that_layout(v4_layouts):
+    cfg, layouts = v4_layouts
+    for layout in (layouts[0], layouts[-1]):
+        verdict = check(with_changes(cfg, layout.changes))
+        assert verdict.fits and verdict.time.total == pytest.approx(layout.step_s)
+        assert layout.use["trainer GPU"] == pytest.approx(
+            verdict.trainer.need("gpu") / verdict.trainer.gpu_budget)
+    assert [x.step_s for x in layouts] == sorted(x.step_s for x in layouts)
+
+
+def test_the_headroom_picks_the_layout(v4_layouts):
+    _, layouts = v4_layouts
+    text, best = report("v4", layouts, 0.03)
+    assert best is layouts[0] and best.changes == {"trainer.expert_parallel_size": 16,
+                                                   "trainer.optimizer_offload": "cpu"}
+    assert text.endswith("fastest with 3% free: trainer.expert_parallel_size=16 "
+                         f"trainer.optimizer_offload=cpu, estimated step {_fmt(best.step_s)}")
+
+
+def test_cli_prints_the_table_and_exits_by_headroom(capsys):
+    assert plan_main([str(V4), "--search"]) == 0
+    out = capsys.readouterr().out
+    assert "fastest with 5% free: (this config)" in out and "ok  (this config)" in out
+    assert plan_main([str(V4), "--search", "--headroom", "0.5"]) == 1
+    assert "no layout leaves 50% of every budget free" in capsys.readouterr().out
+
+
+def test_a_cpu_config_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan_main([str(ROOT / "configs/local.yaml"), "--search"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "the layout search plans GPU jobs" in err
