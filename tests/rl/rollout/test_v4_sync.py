@@ -158,6 +158,7 @@ def _expected_in_vllm(received: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return want
 
 
+@pytest.mark.slow  # two vLLM workers in processes of their own: 75-110 s on 2 cores
 def test_v4_update_through_the_engines_receive_path(v4_sync, tmp_path):
     """The production update of a vLLM V4 engine: the trainer's `WeightSender` (FP8 wire) in this
     process, vLLM's CPU worker with `rl.rollout.vllm_ext` in another (`tests.helpers.vllm_worker`:
