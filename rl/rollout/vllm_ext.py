@@ -23,12 +23,13 @@ log = logging.getLogger(__name__)
 
 
 class _QuietRotaryReload(logging.Filter):
-    """Drop vLLM's per-update "RotaryEmbedding: Failed to load weights": its cos/sin cache is
-    recomputed, never loaded, and the warning on every step reads like a broken sync."""
+    """Drop vLLM's per-update "RotaryEmbedding: Failed to load weights" (DeepSeek-V4:
+    "DeepseekV4ScalingRotaryEmbedding: ..."): its cos/sin cache is recomputed, never loaded, and
+    the warning on every step reads like a broken sync."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights"
-                    and record.args and record.args[0] == "RotaryEmbedding")
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and str(record.args[0]).endswith("RotaryEmbedding"))
 
 
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
