@@ -17,9 +17,9 @@ from rl.models.hf_classes import transformers_classes
 from rl.models.presets import build_preset, preset_dir_name
 
 DEFAULT_CACHE_ROOT = Path("checkpoints/models")
-# MLA architectures: vLLM-CPU's fused rotary op (`_C.rotary_embedding`) rotates strided inputs
-# wrongly, and MLA's q_pe / k_pe are strided slices, so the engine must use vLLM's torch rotary.
-_NATIVE_ROPE_ON_CPU = {"deepseek_v2", "deepseek_v3"}
+# MLA architectures (`rl.rollout.vllm_cpu.MLA_MODEL_TYPES`): vLLM-CPU's fused rotary op
+# (`_C.rotary_embedding`) rotates strided inputs wrongly, and MLA's q_pe / k_pe are strided
+# slices, so the engine must use vLLM's torch rotary (`vllm_cpu_overrides`).
 
 
 def resolve_model_dir(cfg: ModelConfig, cache_root: Path = DEFAULT_CACHE_ROOT) -> Path:
@@ -118,13 +118,19 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return tok
 
 
-def vllm_cpu_overrides(model_dir: Path) -> dict:
-    """Extra `vllm.LLM(...)` arguments this model needs on vLLM-CPU to match HF numerically.
+def vllm_cpu_overrides(model_dir: Path, dtype: torch.dtype) -> dict:
+    """Extra `vllm.LLM(...)` arguments this model needs on vLLM-CPU in `dtype` to load on every
+    CPU and match HF numerically.
 
-    For MLA models: `compilation_config={"custom_ops": ["all", "-rotary_embedding"]}`. With
-    vLLM-CPU's own rotary kernel, tiny-deepseek-v3's log-probs differ from HF by ~1e-2 (positions
-    are encoded wrongly); with the torch rotary they agree to ~5e-7. Empty for other models.
+    For MLA models: `compilation_config={"custom_ops": ["all", "-rotary_embedding"]}` (with
+    vLLM-CPU's own rotary kernel tiny-deepseek-v3's log-probs differ from HF by ~1e-2: positions
+    are encoded wrongly; with the torch rotary they agree to ~5e-7), and unless `dtype` is bf16
+    the `CPU_MLA` attention backend by name (`rl.rollout.vllm_cpu.mla_overrides`: vLLM's AMX one,
+    its pick on CPUs with AMX, refuses fp32 weights). Empty for other models.
     """
-    if model_type(model_dir) in _NATIVE_ROPE_ON_CPU:
-        return {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
+    from rl.rollout.vllm_cpu import MLA_MODEL_TYPES, mla_overrides
+
+    if model_type(model_dir) in MLA_MODEL_TYPES:
+        return {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]},
+                **mla_overrides(dtype)}
     return {}

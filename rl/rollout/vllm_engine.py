@@ -83,10 +83,10 @@ def engine_kwargs(model_dir: str | Path, cfg: RolloutConfig, device: torch.devic
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kvcache_gb * 2**30)
         kwargs["enable_chunked_prefill"] = False  # seeded CPU generators (module docstring)
-        # MLA models need vLLM's torch rotary on CPU to match HF (see vllm_cpu_overrides).
+        # MLA models: vLLM's torch rotary, and CPU_MLA unless bf16 (see vllm_cpu_overrides).
         if (Path(model_dir) / "config.json").is_file():
             from rl.models.loading import vllm_cpu_overrides
-            kwargs.update(vllm_cpu_overrides(Path(model_dir)))
+            kwargs.update(vllm_cpu_overrides(Path(model_dir), dtype))
     else:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     return kwargs

@@ -14,6 +14,7 @@ its tensors (q_proj without k_proj/v_proj) is processed with the rest uninitiali
 from __future__ import annotations
 
 import logging
+import re
 from typing import Iterable, Iterator
 
 import torch
@@ -22,16 +23,25 @@ log = logging.getLogger(__name__)
 
 
 class _QuietRotaryReload(logging.Filter):
-    """Drop vLLM's per-update "RotaryEmbedding: Failed to load weights": its cos/sin cache is
-    recomputed, never loaded, and the warning on every step reads like a broken sync."""
+    """Drop vLLM's per-update "RotaryEmbedding: Failed to load weights" (DeepSeek-V4:
+    "DeepseekV4ScalingRotaryEmbedding: ..."): its cos/sin cache is recomputed, never loaded, and
+    the warning on every step reads like a broken sync."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights"
-                    and record.args and record.args[0] == "RotaryEmbedding")
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and str(record.args[0]).endswith("RotaryEmbedding"))
 
 
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
     _QuietRotaryReload())
+
+
+# Checkpoint tensors that vLLM's DeepSeek-V4 loader (CPU, CUDA, ROCm and XPU alike) writes with
+# a plain `params_dict[name][:n].copy_(...)` instead of the parameter's weight loader. Inside a
+# layerwise reload that parameter is a meta tensor and nothing records the write, so the engine
+# kept its old attention sinks after every update (no error). `_rl_reload` holds them back and
+# loads them through `model.load_weights` once the reload has put the real tensors back.
+_LOADED_PAST_RELOAD = re.compile(r"\.attn_sink$")
 
 
 def _moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -50,12 +60,18 @@ def repack_cpu_moe(model: torch.nn.Module, loaded_names: set[str]) -> int:
     `UnquantizedFusedMoEMethod._setup_kernel` calls `fused_experts.process_weights_after_loading`
     (CPU: `cpu_prepack_moe_weight`) only on the first load, so after `reload_weights` the experts
     hold unpacked weights that the CPU kernel reads as packed: wrong outputs, no error. Only layers
-    that received weights in this reload are repacked (repacking twice scrambles them).
+    that received weights in this reload are repacked (repacking twice scrambles them). Names are
+    matched as the model's own checkpoint mapper renames them: DeepSeek-V4 streams DeepSeek's
+    names (`layers.N.ffn.experts.E.w1.weight`), which vLLM loads under `model.`; matched raw, no
+    V4 layer was ever repacked.
     """
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return 0
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is not None:
+        loaded_names = set(loaded_names) | set(mapper.apply_list(sorted(loaded_names)))
     count = 0
     for prefix, mod in _moe_layers(model):
         if any(n.startswith(prefix + ".") for n in loaded_names):
@@ -64,22 +80,46 @@ def repack_cpu_moe(model: torch.nn.Module, loaded_names: set[str]) -> int:
     return count
 
 
+def _v4_cpu_compressors(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """vLLM-CPU's DeepSeek-V4 compressors (`DeepseekV4CPUCompressor`): the modules that keep an
+    fp32 copy of their `norm.weight` for the CPU kernel."""
+    return [m for m in model.modules() if callable(getattr(m, "cache_norm_weight_fp32", None))]
+
+
+def drop_v4_cpu_norm_caches(model: torch.nn.Module) -> int:
+    """Remove the DeepSeek-V4 CPU compressors' fp32 norm copies before an in-place reload;
+    returns how many compressors held one.
+
+    vLLM-CPU 0.32 makes that copy with `norm.weight.to(float32).contiguous()`, which in an fp32
+    engine (the CPU default) is `norm.weight` itself, a Parameter, so the assignment registers
+    `_norm_weight_fp32` as a second parameter of the compressor. vLLM's layerwise reload
+    snapshots every registered parameter, rebuilds the layer from the parameters the model
+    created (not that one), then copies each snapshot name back: `reload_weights` itself raised
+    `AttributeError: 'DeepseekV4CPUCompressor' object has no attribute '_norm_weight_fp32'`.
+    Without the copy the reload sees the compressor as built; `recache_v4_cpu_compressors`
+    makes it again from the reloaded weights.
+    """
+    count = 0
+    for mod in _v4_cpu_compressors(model):
+        if hasattr(mod, "_norm_weight_fp32"):
+            delattr(mod, "_norm_weight_fp32")  # a parameter, a buffer or a plain attribute
+            count += 1
+    return count
+
+
 def recache_v4_cpu_compressors(model: torch.nn.Module) -> int:
     """Redo the DeepSeek-V4 CPU compressors' post-load step after an in-place reload; returns
     how many compressors it touched.
 
-    vLLM-CPU 0.32 keeps an fp32 copy of each compressor's `norm.weight` (`_norm_weight_fp32`,
-    made by `DeepseekV4CPUAttention.process_weights_after_loading`). Its layerwise reload does not
-    leave that copy in place: the next forward fails with `'DeepseekV4CPUCompressor' object has
-    no attribute '_norm_weight_fp32'`, and were it kept it would hold the old weights. Rerunning
-    the compressors' own caching step (`cache_norm_weight_fp32`) repairs both.
+    `DeepseekV4CPUAttention.process_weights_after_loading` makes each compressor's fp32
+    `_norm_weight_fp32`; `drop_v4_cpu_norm_caches` removed it before the reload, and the copy
+    must hold the new `norm.weight`, so the compressors' own caching step
+    (`cache_norm_weight_fp32`) runs again.
     """
-    count = 0
-    for mod in model.modules():
-        if callable(getattr(mod, "cache_norm_weight_fp32", None)):
-            mod.cache_norm_weight_fp32()
-            count += 1
-    return count
+    compressors = _v4_cpu_compressors(model)
+    for mod in compressors:
+        mod.cache_norm_weight_fp32()
+    return len(compressors)
 
 
 class WeightSyncExtension:
@@ -87,17 +127,26 @@ class WeightSyncExtension:
 
     def _rl_reload(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         names: set[str] = set()
+        held: list[tuple[str, torch.Tensor]] = []
 
         def recorded() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in named:
                 names.add(name)
-                yield name, tensor
+                if _LOADED_PAST_RELOAD.search(name):
+                    held.append((name, tensor.clone()))  # a view of a bucket that is reused
+                else:
+                    yield name, tensor
 
+        model = self.model_runner.model
+        drop_v4_cpu_norm_caches(model)
         self.model_runner.reload_weights(weights_iterator=recorded(), is_checkpoint_format=True)
-        repacked = repack_cpu_moe(self.model_runner.model, names)
-        recached = recache_v4_cpu_compressors(self.model_runner.model)
-        log.debug("reloaded %d tensors; repacked %d CPU MoE layers, re-cached %d V4 compressors",
-                  len(names), repacked, recached)
+        if held:
+            with torch.no_grad():
+                model.load_weights(iter(held))
+        repacked = repack_cpu_moe(model, names)
+        recached = recache_v4_cpu_compressors(model)
+        log.debug("reloaded %d tensors (%d after the reload); repacked %d CPU MoE layers, "
+                  "re-cached %d V4 compressors", len(names), len(held), repacked, recached)
         return len(names)
 
     def rl_load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:

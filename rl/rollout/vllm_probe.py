@@ -92,6 +92,7 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault(key, value)
     result: dict = {"ok": False, "stage": "load"}
     try:
+        import torch
         from vllm import LLM, SamplingParams
 
         from rl.models.loading import vllm_cpu_overrides
@@ -99,7 +100,7 @@ def main(argv: list[str]) -> int:
         llm = LLM(model=spec["model_dir"], tokenizer=spec["model_dir"], dtype="float32",
                   enforce_eager=True, max_model_len=256, max_num_seqs=64, seed=0,
                   worker_extension_cls="rl.rollout.vllm_ext.WeightSyncExtension",
-                  **vllm_cpu_overrides(Path(spec["model_dir"])))
+                  **vllm_cpu_overrides(Path(spec["model_dir"]), torch.float32))
         result["stage"] = "generate"
         params = SamplingParams(temperature=0.0, max_tokens=spec["num_tokens"], ignore_eos=True,
                                 logprobs=1)

@@ -23,7 +23,8 @@ def make_vllm_llm(model_dir: str | Path, **kw: Any):
 
     Defaults (each overridable through `kw`): fp32, eager (no torch.compile / graphs), a small
     `max_model_len`, seed 0, at most 64 sequences per batch, plus the model's
-    `rl.models.loading.vllm_cpu_overrides` (torch rotary for MLA models). Returns the `vllm.LLM`.
+    `rl.models.loading.vllm_cpu_overrides` for its dtype (torch rotary for MLA models, and their
+    `CPU_MLA` backend unless bf16). Returns the `vllm.LLM`.
     """
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
@@ -34,9 +35,25 @@ def make_vllm_llm(model_dir: str | Path, **kw: Any):
     args: dict[str, Any] = dict(
         model=str(model_dir), tokenizer=str(model_dir), dtype="float32", enforce_eager=True,
         max_model_len=256, max_num_seqs=64, seed=0, trust_remote_code=False)
-    args.update(vllm_cpu_overrides(Path(model_dir)))
     args.update(kw)
+    overrides = vllm_cpu_overrides(Path(model_dir), _dtype(args["dtype"]))
+    args.update({k: v for k, v in overrides.items() if k not in kw})
     return LLM(**args)
+
+
+def _dtype(dtype: str | "torch.dtype"):
+    import torch
+
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+
+
+def attention_backends(llm) -> set[str]:
+    """Names of the attention backends an in-process `vllm.LLM`'s model runs (e.g. "CPU_MLA")."""
+    def names(worker) -> set[str]:
+        return {m.attn_backend.get_name() for m in worker.model_runner.model.modules()
+                if hasattr(m, "attn_backend")}
+
+    return llm.collective_rpc(names)[0]
 
 
 def hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], list[float], list[float]]:

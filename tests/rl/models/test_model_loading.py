@@ -63,6 +63,8 @@ def test_bf16_load_keeps_integer_buffers(preset_dirs):
 def test_vllm_cpu_overrides_select_torch_rotary_for_mla_only(preset_dirs):
     from rl.models.loading import vllm_cpu_overrides
 
-    assert vllm_cpu_overrides(preset_dirs["tiny-qwen3-moe"]) == {}
-    mla = vllm_cpu_overrides(preset_dirs["tiny-deepseek-v3"])
-    assert "-rotary_embedding" in mla["compilation_config"]["custom_ops"]
+    for dtype in (torch.float32, torch.bfloat16):
+        assert vllm_cpu_overrides(preset_dirs["tiny-qwen3-moe"], dtype) == {}
+        mla = vllm_cpu_overrides(preset_dirs["tiny-deepseek-v3"], dtype)
+        assert "-rotary_embedding" in mla["compilation_config"]["custom_ops"]
+        assert mla.get("attention_backend") == (None if dtype == torch.bfloat16 else "CPU_MLA")

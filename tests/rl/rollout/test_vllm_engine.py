@@ -129,6 +129,69 @@ def test_receive_weights_over_a_gloo_group(vllm_engine, hf_engine, model_dir, pr
             == [s.response_ids for s in flat(hf_engine.generate(prompts, sp))])
 
 
+@pytest.mark.parametrize("wire_dtype", ["native", "fp8"])
+def test_trainer_update_reaches_vllm_through_the_receive_path(
+        wire_dtype, vllm_engine, hf_engine, model_dir, prompts, next_version,
+        restore_vllm_weights):
+    """Production's update end to end: a trainer model's weights change, the trainer's
+    `WeightSender` streams them (in-memory names, fused experts; FP8 on the wire or fp32), and
+    the engine takes them through `receive_weights` -> `rl.rollout.vllm_ext` ->
+    `reload_weights(..., is_checkpoint_format=True)`. The HF engine receives the same send, so
+    it holds what the wire delivered (FP8 rounding included): vLLM's log-probs and greedy tokens
+    must be its, and differ from before the update."""
+    import threading
+
+    from rl.cluster.groups import free_port
+    from rl.config import SyncConfig
+    from rl.models.loading import load_model
+    from rl.trainer.weights import WeightSender
+
+    trainer = load_model(model_dir, torch.float32)
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():  # a trainer step's worth of change in every parameter
+        for p in trainer.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+    sender = WeightSender(trainer, 0, True, SyncConfig(wire_dtype=wire_dtype, bucket_mb=0.05,
+                                                       verify=True, timeout_s=60.0),
+                          torch.device("cpu"))
+    plan, port, version = sender.plan(), free_port(), next_version()
+    responses = [[11, 22, 33, 44, 55]] * len(prompts)
+    before = vllm_engine.score(prompts, responses)
+    errors, hf_stats = [], {}
+
+    def run(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    def send():
+        sender.connect("127.0.0.1", port, 3)
+        sender.send(version=version)
+        sender.close()
+
+    def hf_receive():
+        hf_engine.init_weight_sync("127.0.0.1", port, 3, 2, "gloo", 60.0)
+        hf_stats.update(hf_engine.receive_weights(plan, version, verify=True))
+
+    threads = [threading.Thread(target=run, args=(f,)) for f in (send, hf_receive)]
+    for t in threads:
+        t.start()
+    vllm_engine.init_weight_sync("127.0.0.1", port, 3, 1, "gloo", 60.0)
+    stats = vllm_engine.receive_weights(plan, version, verify=True)
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert stats["loaded_tensors"] == hf_stats["loaded_tensors"] > 0
+    assert len(plan.buckets) > 1 and vllm_engine.weight_version == version
+    after = vllm_engine.score(prompts, responses)
+    assert max_diff(before, after) > 1e-2  # the update arrived
+    assert max_diff(after, hf_engine.score(prompts, responses)) < TOL
+    sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
+    assert ([s.response_ids for s in flat(vllm_engine.generate(prompts, sp))]
+            == [s.response_ids for s in flat(hf_engine.generate(prompts, sp))])
+
+
 def test_long_prompts_beyond_the_batch_budget_sample_seeded_and_batch_independent(vllm_engine):
     """Real datasets: a call's prompt tokens exceed vLLM's batched-token budget.
 
