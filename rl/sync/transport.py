@@ -1,6 +1,7 @@
 """The weight-sync transports: how trainer rank 0 (rank 0 here) hands every bucket to every
 rollout worker. One class per transport, one small interface (`Transport`); `make_group` picks
-the class for `sync.backend`:
+the class for `sync.backend` (`rl.sync.backend.choose_backend` decides which one a placement
+allows):
 
 - `WeightGroup` (`gloo`, `nccl`): a dedicated process group. It never touches the trainers'
   default group: it is built from its own `TCPStore`, so DeepSpeed's collectives and the weight
@@ -61,7 +62,9 @@ class Transport(Protocol):
 
 
 def resolve_backend(backend: str, device: str | torch.device) -> str:
-    """`sync.backend` for a group on `device`: `auto` is NCCL on GPUs, gloo on CPUs."""
+    """`sync.backend` for a group on `device` when nothing is known of the other side: `auto` is
+    NCCL on GPUs, gloo on CPUs. The runtime decides with both sides' devices instead
+    (`rl.sync.backend.choose_backend`) and passes the answer to both."""
     if backend != "auto":
         return backend
     return "gloo" if torch.device(device).type == "cpu" else "nccl"

@@ -427,8 +427,9 @@ class TrainerWorker:
         from rl.cluster.groups import free_port, node_ip
         return node_ip(), free_port()
 
-    def init_weight_sync(self, host: str, port: int, world_size: int) -> None:
-        self.sender.connect(host, port, world_size)
+    def init_weight_sync(self, host: str, port: int, world_size: int,
+                         backend: str | None = None) -> None:
+        self.sender.connect(host, port, world_size, backend)
 
     def close_weight_sync(self) -> None:
         self.sender.close()
