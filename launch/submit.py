@@ -6,8 +6,9 @@ plan, submits a heterogeneous Slurm job (trainer group + rollout group, `slurm.s
 where to watch it; with `--wait` it follows the job through its requeues instead.
 
 Before anything starts, both refuse with one line and exit status 2 (`launch.checks`): a resume
-whose config differs from RUN_DIR/config.yaml in keys that matter (`--force`, `--no-resume`), and
-a malformed data row (`--no-data-check` for files only the job's nodes can read).
+whose config differs from RUN_DIR/config.yaml in keys that matter (`--force`, `--no-resume`), a
+malformed data row (`--no-data-check` for files only the job's nodes can read), and a
+`sync.backend` the placement cannot run (NCCL between two ranks on one GPU, `ipc` across nodes).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import time
 
 from launch.checks import (check_data_or_exit, check_engine_or_exit,
                            check_expert_parallel_or_exit, check_resume_or_exit,
-                           check_rollout_checkpoint_or_exit, check_slurm_params_or_exit)
+                           check_rollout_checkpoint_or_exit, check_slurm_params_or_exit,
+                           check_placement_or_exit)
 from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
                            split_config_args, stream_errors, stream_output)
 from launch.rundir import archive_run_dir
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     # Everything that can be refused is refused here, before Ray, engines or an allocation.
     check_slurm_params_or_exit(cfg)
     check_expert_parallel_or_exit(cfg)
+    check_placement_or_exit(cfg)
     if not args.no_resume:
         check_resume_or_exit(cfg, args.force)
     if cfg.cluster.kind == "slurm" and not args.no_plan_check:  # a local CPU run has no GPU budget
