@@ -16,8 +16,9 @@ The handshake and the signals go over a TCPStore hosted by rank 0; update `r`'s 
   header   (version, num_buckets, total_bytes, verify, staging id, staging handles)
   sent     counter: rank 0 waits until every receiver copied bucket i - 2 (slot i % 2 is free),
            packs bucket i into slot i % 2 (its sha1 after it when verifying), adds 1.
-  acked/k  counter: receiver k copies the slot into a fresh buffer, checks the sha1, adds 1,
-           yields the buffer.
+  acked/k  counter: receiver k adds 1 once it read the header (and mapped new slots), then per
+           bucket copies the slot into a fresh buffer, checks the sha1, adds 1, yields the buffer.
+           Rank 0 returns when every receiver has acked every bucket.
   abort    either side that fails mid-update writes its reason; the others raise SyncError.
 A receiver holds one bucket of its own at a time (released with its views), rank 0 the two slots:
 no whole-model copy anywhere. Every waiting side also watches its peers' processes (one host by
@@ -234,10 +235,11 @@ class IpcGroup:
         self.store.set(f"r{r}/header", pickle.dumps(
             (version, n, plan.total_bytes, verify, self._staging_id, self._handles)))
 
-        def copied(i: int) -> None:  # every receiver holds its own copy of bucket i
-            for k in receivers:
-                self._await_count(f"r{r}/acked/{k}", i + 1,
-                                  f"receiver rank {k}'s copy of bucket {i}", r)
+        def copied(i: int) -> None:  # every receiver holds its own copy of bucket i (-1: read
+            for k in receivers:      # the header and mapped the slots)
+                self._await_count(f"r{r}/acked/{k}", i + 2,
+                                  f"receiver rank {k}'s copy of bucket {i}" if i >= 0 else
+                                  f"receiver rank {k} to read the header", r)
         try:
             for i, bucket in enumerate(plan.buckets):
                 if i >= 2:
@@ -252,9 +254,9 @@ class IpcGroup:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # the bytes are there before announced
                 self.store.add(f"r{r}/sent", 1)
-            for i in range(max(n - 2, 0), n):
+            for i in range(max(n - 2, -1), n):
                 copied(i)
-            self._unlink_files()  # every receiver mapped them when it read the header
+            self._unlink_files()  # every receiver has mapped them
         except BaseException as e:
             self._abort(r, f"the sender failed: {e}")
             raise
@@ -277,6 +279,7 @@ class IpcGroup:
             if staging_id != self._staging_id:
                 self._staging = [self._open(h) for h in handles]
                 self._staging_id = staging_id
+            self.store.add(f"r{r}/acked/{self.rank}", 1)  # header read, slots mapped
             for i, bucket in enumerate(plan.buckets):
                 self._await_count(f"r{r}/sent", i + 1, f"bucket {i}", r)
                 slot = self._staging[i % 2]

@@ -153,3 +153,9 @@ def test_alive_tells_a_running_process_from_a_finished_one():
     assert not ipc.alive(child.pid)  # exited, not yet reaped (a zombie): gone all the same
     child.wait()
     assert not ipc.alive(child.pid)
+
+
+def test_an_empty_plan_still_completes_on_both_sides():
+    got, r_err, s_err, stats = exchange([({}, 1, 1, False), (tensors(), 2, 2, True)])
+    assert not r_err and not s_err and got[0] == {} and stats[0]["bytes"] == 0
+    assert all(torch.equal(got[1][k], v) for k, v in tensors().items())
