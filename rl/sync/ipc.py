@@ -205,7 +205,8 @@ class IpcGroup:
 
     def _unlink_files(self) -> None:
         """CPU staging: once every receiver mapped the files their names can go (the memory
-        stays until the last mapping does), so a crash leaves nothing behind in /dev/shm."""
+        stays until the last mapping does), so only a crash between creating them and the
+        receivers' first header ack can leave files behind in /dev/shm."""
         for path in self._files:
             try:
                 os.unlink(path)
@@ -241,6 +242,9 @@ class IpcGroup:
                                   f"receiver rank {k}'s copy of bucket {i}" if i >= 0 else
                                   f"receiver rank {k} to read the header", r)
         try:
+            if self._files:  # new CPU slots: their names can go once every receiver mapped them
+                copied(-1)
+                self._unlink_files()
             for i, bucket in enumerate(plan.buckets):
                 if i >= 2:
                     copied(i - 2)  # slot i % 2 held bucket i - 2
@@ -256,9 +260,9 @@ class IpcGroup:
                 self.store.add(f"r{r}/sent", 1)
             for i in range(max(n - 2, -1), n):
                 copied(i)
-            self._unlink_files()  # every receiver has mapped them
         except BaseException as e:
             self._abort(r, f"the sender failed: {e}")
+            self._unlink_files()
             raise
         for key in (f"r{r}/header", f"r{r}/sent", f"r{r}/abort",
                     *(f"r{r}/acked/{k}" for k in receivers)):

@@ -18,6 +18,14 @@ from rl.sync.transport import SyncError, make_group, receive_buckets, send_bucke
 BUCKET = 128  # 3 buckets: a staging slot is reused within one update
 
 
+@pytest.fixture(autouse=True)
+def no_files_left():
+    """Whatever happened, the sender's /dev/shm staging files are gone after the test."""
+    yield
+    if os.path.isdir("/dev/shm"):
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"rl-sync-{os.getpid()}-")]
+
+
 def tensors(scale: int = 1):
     g = torch.Generator().manual_seed(0)
     return {"a": torch.randn(3, 5, generator=g), "b": torch.arange(7, dtype=torch.int64),
