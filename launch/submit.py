@@ -6,8 +6,9 @@ plan, submits a heterogeneous Slurm job (trainer group + rollout group, `slurm.s
 where to watch it; with `--wait` it follows the job through its requeues instead.
 
 Before anything starts, both refuse with one line and exit status 2 (`launch.checks`): a resume
-whose config differs from RUN_DIR/config.yaml in keys that matter (`--force`, `--no-resume`), and
-a malformed data row (`--no-data-check` for files only the job's nodes can read).
+whose config differs from RUN_DIR/config.yaml in keys that matter (`--force`, `--no-resume`), a
+malformed data row (`--no-data-check` for files only the job's nodes can read), and a
+`sync.backend` the placement cannot run (NCCL between two ranks on one GPU, `ipc` across nodes).
 
 `--dry-run` makes the same checks, then prints what would be submitted (the sbatch script, or
 what a local run starts), the plan's verdict and step estimate, and the checks it could not run
@@ -23,7 +24,7 @@ import time
 from launch.checks import (Preflight, check_data_or_exit, check_engine_or_exit,
                            check_expert_parallel_or_exit, check_resume_or_exit,
                            check_rollout_checkpoint_or_exit, check_slurm_params_or_exit,
-                           missing_data_files)
+                           check_placement_or_exit, missing_data_files)
 from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
                            split_config_args, stream_errors, stream_output)
 from launch.rundir import archive_run_dir
@@ -98,7 +99,8 @@ def run_checks(cfg, args) -> Preflight:
     done = Preflight()
     check_slurm_params_or_exit(cfg)
     check_expert_parallel_or_exit(cfg)
-    done.ran += ["Slurm options", "expert parallelism"]
+    check_placement_or_exit(cfg)
+    done.ran += ["Slurm options", "expert parallelism", "placement and sync backend"]
     if args.no_resume:
         done.skipped.append(("resume", "--no-resume: the old run directory is moved aside"))
     else:

@@ -454,9 +454,11 @@ class SyncConfig:
     bucket_mb: float = 64.0
     """Weight-sync bucket size [MiB]: tensors are packed into buckets that are broadcast one after
     another (a larger tensor gets a bucket of its own)."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Weight-sync collectives: `gloo`, `nccl`, or `auto` = nccl when the engines are on GPUs, else
-    gloo."""
+    backend: Literal["auto", "gloo", "nccl", "ipc"] = "auto"
+    """Weight-sync transport: `gloo`, `nccl`, `ipc` (shared memory: CUDA IPC handles on a GPU,
+    /dev/shm on a CPU; trainer rank 0 and the engines on one device of one host), or `auto` = ipc
+    when the engines share trainer rank 0's GPU, nccl when they have GPUs of their own, else gloo
+    (`rl.sync.backend`; a choice that cannot work is refused before the run starts)."""
     wire_dtype: Literal["native", "fp8"] = "native"
     """`fp8`: quantise on send (block FP8 + scales on the wire, ~half of BF16's bytes); `native`:
     the trainer dtype on the wire, and an FP8 rollout engine (`native` with quantization fp8)

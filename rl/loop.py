@@ -86,7 +86,9 @@ def setup_logging(run_dir: Path) -> None:
 def run(cfg: Config, *, resume: bool = True, force: bool = False,
         stop: StopRequest | None = None, restart: RestartInfo = RestartInfo()) -> RunResult:
     """`restart`: how this life began (the launcher reads the scheduler's environment)."""
+    from rl.cluster.placement import choose_placement, sync_backend
     from rl.sft import warm_start_dir
+    sync_backend(cfg, choose_placement(cfg))  # ConfigError now, not after the warm start
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(cfg.run_dir)
     check_and_save_config(cfg, resume, force)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -19,9 +18,10 @@ from rl.cluster.actors import ActorDied, wait_all  # noqa: F401 - ActorDied: re-
 from rl.cluster.facades import Generation, RolloutGroup, TrainerGroup  # noqa: F401
 from rl.cluster.groups import (GroupSpec, bundle_address, bundle_nodes, free_port, make_layout,
                                start_proc_group, start_ray_group)
+from rl.cluster.placement import Placement, choose_placement, sync_backend  # noqa: F401
 from rl.config import Config
 from rl.rollout.base import SamplingParams
-from rl.sync.transport import SyncError, resolve_backend
+from rl.sync.transport import SyncError
 from rl.trainer.worker import RankInfo, TrainerWorker
 
 log = logging.getLogger(__name__)
@@ -96,35 +96,14 @@ class EngineHost:
         self.engine.shutdown()
 
 
-@dataclass(slots=True)
-class Placement:
-    backend: str
-    """`ray` or `proc`."""
-    trainer_device: str
-    engine_device: str
-
-
-def choose_placement(cfg: Config) -> Placement:
-    import torch
-    backend = "ray"
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        backend = "proc"
-    cuda = torch.cuda.is_available() and cfg.trainer.device != "cpu"
-    engine = "cuda" if cuda else "cpu"
-    if cuda and backend == "proc" and torch.cuda.device_count() > cfg.trainer.num_ranks:
-        # Plain processes see every GPU: the trainer ranks take the first ones (by LOCAL_RANK),
-        # the engine the next (Ray instead gives each actor its own GPUs).
-        engine = f"cuda:{cfg.trainer.num_ranks}"
-    return Placement(backend, "cuda" if cuda else "cpu", engine)
-
-
 class Runtime:
     def __init__(self, cfg: Config, model_dir: str, total_optimizer_steps: int,
                  placement: Placement | None = None):
         self.cfg, self.model_dir = cfg, model_dir
         self.placement = placement or choose_placement(cfg)
+        self.sync_backend = sync_backend(cfg, self.placement)
+        """The weight-sync transport (gloo, nccl or ipc); ConfigError here, before any worker
+        starts, when `sync.backend` cannot work on this placement."""
         self.total_optimizer_steps = total_optimizer_steps
         gpus = 1 if self.placement.trainer_device == "cuda" else 0
         egpus = cfg.rollout.tensor_parallel_size if self.placement.engine_device != "cpu" else 0
@@ -218,10 +197,9 @@ class Runtime:
         host, port = self.trainer.sync_address()
         sizes = self.rollout.num_sync_ranks()
         world = 1 + sum(sizes)
-        backend = resolve_backend(self.cfg.sync.backend, self.placement.engine_device)
-        futures = [self.trainer.init_weight_sync_async(host, port, world)]
-        futures += self.rollout.init_weight_sync_async(host, port, world, sizes, backend,
-                                                       self.cfg.sync.timeout_s)
+        futures = [self.trainer.init_weight_sync_async(host, port, world, self.sync_backend)]
+        futures += self.rollout.init_weight_sync_async(host, port, world, sizes,
+                                                       self.sync_backend, self.cfg.sync.timeout_s)
         wait_for_sync(futures, self.cfg.sync.timeout_s + 30)
 
     # ---- the weight update ----------------------------------------------------------------

@@ -49,8 +49,11 @@ class TrainerGroup:
     def sync_address(self) -> tuple[str, int]:
         return self.actors[0].call("sync_address").result()
 
-    def init_weight_sync_async(self, host: str, port: int, world_size: int) -> Future:
-        return self.actors[0].call("init_weight_sync", host, port, world_size)
+    def init_weight_sync_async(self, host: str, port: int, world_size: int,
+                               backend: str | None = None) -> Future:
+        """Rank 0 joins as the sender; `backend`: the transport (`rl.sync.backend`), None =
+        decided from `sync.backend` and its own device alone."""
+        return self.actors[0].call("init_weight_sync", host, port, world_size, backend)
 
     def close_weight_sync(self) -> None:
         self.actors[0].call("close_weight_sync").result()

@@ -68,7 +68,7 @@ class WeightSender:
                 self._source[wire] = name
                 self._wire_specs.append((wire, tuple(piece.shape), t.dtype))
         self._plan: SyncPlan | None = None
-        self.group: transport.WeightGroup | None = None
+        self.group: transport.Transport | None = None
         self._keep = as_policy(sync.wire_keep_bf16)
         self._scales: dict[str, torch.Tensor] = {}  # quantised, waiting for their bucket
         self._ring: list[torch.Tensor] | None = None   # GPU: two reusable bucket buffers
@@ -191,9 +191,12 @@ class WeightSender:
             self._graphs = graphs
         return self._graphs or None
 
-    def connect(self, host: str, port: int, world_size: int) -> None:
+    def connect(self, host: str, port: int, world_size: int, backend: str | None = None) -> None:
+        """Rank 0 joins the weight group as its sender. `backend`: the transport the runtime
+        chose with both sides' devices (`rl.sync.backend`); None = `sync.backend` resolved on
+        this side's device alone."""
         if self.is_sender:
-            backend = transport.resolve_backend(self.sync.backend, self.device)
+            backend = backend or transport.resolve_backend(self.sync.backend, self.device)
             self.group = transport.make_group(host, port, world_size, 0, backend,
                                               self.sync.timeout_s, self.device)
 

@@ -129,7 +129,9 @@ class TrainerWorker:
         if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
             if not torch.cuda.is_available():
                 raise RuntimeError("trainer.device is 'cuda' but no CUDA device is visible")
-            local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            # Plain processes (no LOCAL_RANK) see every GPU: rank r takes GPU r. A Ray actor sees
+            # only its own, so the modulo makes that GPU 0 whatever its rank.
+            local = int(os.environ.get("LOCAL_RANK", self.rank)) % torch.cuda.device_count()
             torch.cuda.set_device(local)
             return torch.device("cuda", local)
         return torch.device("cpu")
@@ -430,8 +432,9 @@ class TrainerWorker:
         from rl.cluster.groups import free_port, node_ip
         return node_ip(), free_port()
 
-    def init_weight_sync(self, host: str, port: int, world_size: int) -> None:
-        self.sender.connect(host, port, world_size)
+    def init_weight_sync(self, host: str, port: int, world_size: int,
+                         backend: str | None = None) -> None:
+        self.sender.connect(host, port, world_size, backend)
 
     def close_weight_sync(self) -> None:
         self.sender.close()

@@ -62,6 +62,21 @@ def test_expert_parallel_size_is_checked_before_anything_starts(tmp_path, overri
     assert not any(tmp_path.iterdir())  # no run directory: refused before anything ran
 
 
+@pytest.mark.parametrize("overrides, needles", [
+    (["trainer.device=cpu", "sync.backend=nccl"],
+     ["config error: sync.backend: nccl needs the trainer and the engines on GPUs",
+      "set sync.backend=auto (gloo here) or gloo"]),
+    (["cluster.kind=slurm", "sync.backend=ipc"],
+     ["config error: sync.backend: ipc shares memory within one machine", "other nodes",
+      "set sync.backend=auto"]),
+])
+def test_sync_backend_that_cannot_work_is_refused_before_anything_starts(tmp_path, overrides,
+                                                                         needles):
+    proc = submit(f"output_dir={tmp_path}", *overrides)
+    assert_refused_in_one_line(proc, *needles)
+    assert not any(tmp_path.iterdir())  # no run directory: refused before anything ran
+
+
 def test_unknown_slurm_params_are_refused_before_anything_starts(tmp_path):
     proc = submit(f"output_dir={tmp_path}", "cluster.kind=slurm", "cluster.slurm_params.acount=rl",
                   "cluster.slurm_params.job-name=x", "cluster.slurm_params.qos=low")

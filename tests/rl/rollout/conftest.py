@@ -80,10 +80,10 @@ def prompts(hf_engine) -> list[list[int]]:
 
 
 class Sender:
-    """Trainer rank 0 in a thread: joins the sync group and broadcasts `named` as buckets."""
+    """Trainer rank 0 in a thread: joins the sync group (gloo, or ipc) and sends `named` as buckets."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], world_size: int, version: int,
-                 bucket_bytes: int = 64 * 1024, verify: bool = True):
+                 bucket_bytes: int = 64 * 1024, verify: bool = True, backend: str = "gloo"):
         from rl.cluster.groups import free_port
         from rl.sync.buckets import plan_for
 
@@ -91,6 +91,7 @@ class Sender:
         self.plan = plan_for(named, bucket_bytes)
         self.port = free_port()
         self.world_size, self.version, self.verify = world_size, version, verify
+        self.backend = backend
         self.stats: dict | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -101,7 +102,7 @@ class Sender:
         from rl.sync.transport import destroy, make_group, send_buckets
 
         try:
-            group = make_group("127.0.0.1", self.port, self.world_size, 0, "gloo", 60.0)
+            group = make_group("127.0.0.1", self.port, self.world_size, 0, self.backend, 60.0)
             try:
                 self.stats = send_buckets(group, self.plan, self.version,
                                           lambda _i, b: pack_bucket(b, self.named),

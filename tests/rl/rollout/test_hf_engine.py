@@ -93,12 +93,14 @@ def test_load_weights_by_checkpoint_name_changes_scores_and_version(hf_engine, m
     assert sample.weight_version == 3
 
 
-def test_receive_weights_over_a_gloo_group(hf_engine, model_dir, prompts, start_sender, perturb):
+@pytest.mark.parametrize("transport", ["gloo", "ipc"])
+def test_receive_weights_over_the_sync_transport(hf_engine, model_dir, prompts, start_sender,
+                                                 perturb, transport):
     from safetensors.torch import load_file
 
     new = perturb(sorted(load_file(str(model_dir / "model.safetensors")).items()), seed=6)
-    sender = start_sender(new, world_size=2, version=1)
-    hf_engine.init_weight_sync("127.0.0.1", sender.port, 2, 1, "gloo", 60.0)
+    sender = start_sender(new, world_size=2, version=1, backend=transport)
+    hf_engine.init_weight_sync("127.0.0.1", sender.port, 2, 1, transport, 60.0)
     stats = hf_engine.receive_weights(sender.plan, version=1, verify=True)
     sent = sender.join()
     assert stats["bytes"] == sent["bytes"] == sender.plan.total_bytes

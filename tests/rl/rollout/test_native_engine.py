@@ -147,8 +147,9 @@ def test_fp8_wire_pairs_are_placed_without_requantising(model_dir, hf_engine):
     assert ((kv - ref).abs() <= 0.07 * ref.abs() + 1e-3).all()
 
 
-def test_receive_weights_over_gloo_with_fp8_on_the_wire(model_dir, hf_engine, start_sender,
-                                                        prompts, perturb):
+@pytest.mark.parametrize("transport", ["gloo", "ipc"])
+def test_receive_weights_with_fp8_on_the_wire(model_dir, hf_engine, start_sender, prompts,
+                                              perturb, transport):
     from rl.models.name_maps import full_state_for_engine
 
     eng = native(model_dir, quantization="fp8")
@@ -160,8 +161,9 @@ def test_receive_weights_over_gloo_with_fp8_on_the_wire(model_dir, hf_engine, st
             named += [(name, w8), (scale_name(name), sc)]
         else:
             named.append((name, t))
-    sender = start_sender(named, world_size=2, version=4, bucket_bytes=32 * 1024)
-    eng.init_weight_sync("127.0.0.1", sender.port, 2, 1, "gloo", 60.0)
+    sender = start_sender(named, world_size=2, version=4, bucket_bytes=32 * 1024,
+                          backend=transport)
+    eng.init_weight_sync("127.0.0.1", sender.port, 2, 1, transport, 60.0)
     stats = eng.receive_weights(sender.plan, version=4, verify=True)
     sender.join()
     eng.shutdown()
