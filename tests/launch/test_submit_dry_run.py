@@ -51,7 +51,7 @@ def test_3node_dry_run_prints_the_hetjob_and_the_plan_and_submits_nothing(sbatch
     assert "model checkpoint: model.path /shared/models/DeepSeek-V4-Flash-BF16 is not on" in skipped
     assert f"data: {cfg.data.train_path}, {cfg.data.eval_path}: not on this machine" in skipped
     assert "rollout checkpoint: rollout.model_path /shared/models/DeepSeek-V4-Flash-FP8" in skipped
-    assert "checks run: Slurm options, expert parallelism, resume, memory plan" in out
+    assert "checks run: Slurm options, expert parallelism, placement and sync backend, resume, memory plan" in out
     assert not calls.exists() and not cfg.run_dir.exists()
 
 
@@ -64,7 +64,7 @@ def test_data_here_is_checked_and_a_missing_tokenizer_is_named(sbatch, tmp_path,
                         f"data.train_path={tmp_path}/train.jsonl",
                         f"data.eval_path={tmp_path}/test.jsonl"]) == 0
     out = capsys.readouterr().out
-    assert "checks run: Slurm options, expert parallelism, resume, memory plan, data" in out
+    assert "checks run: Slurm options, expert parallelism, placement and sync backend, resume, memory plan, data" in out
     assert ("prompt lengths: model.path /shared/models/DeepSeek-V4-Flash-BF16 is not on this "
             "machine: no tokenizer") in out
     assert not (tmp_path / "runs").exists() and not sbatch[0].exists()
