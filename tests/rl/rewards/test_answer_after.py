@@ -8,7 +8,9 @@ import pytest
 from rl.config import ConfigError, RewardConfig, load_config
 from rl.data import Example
 from rl.data.deepseek_v4 import THINK_END
+from rl.recorder import rollout_metrics
 from rl.rewards import RewardComputer
+from rl.rollout.base import Sample
 
 PLUGINS = "tests.rl.rewards.user_reward_plugins"
 REPO = Path(__file__).resolve().parents[3]
@@ -49,6 +51,11 @@ def test_unclosed_reasoning_scores_zero_and_is_counted_not_failed():
     assert parts.format == [0.0, 1.0]
     assert parts.unclosed == [True, False] and parts.failed == [False, False]
     assert computer.failures == 0 and computer.errors == []
+    samples = [Sample(prompt_ids=[1], response_ids=[2, 3], text=r, logprobs=[0.0, 0.0],
+                      finish_reason="length", weight_version=0)
+               for r in ("So the answer is \\boxed{42}", "x</think>\\boxed{42}")]
+    metrics = rollout_metrics(samples, parts, seconds=1.0, n_samples=2, failures=0)
+    assert metrics["reward/unclosed_thinking_frac"] == 0.5
 
 
 def test_format_reward_judges_the_stripped_answer():
