@@ -88,23 +88,26 @@ def check_data_or_exit(cfg: Config) -> str | None:
     """Read every row of both splits as the job will (`rl.data.build_datasets`) and encode the
     prompts with the run's tokenizer when it is at hand (`rl.data.datasets.prompt_ids`, the
     job's encoder): for a file source each prompt's length, for a synthetic one with model.path
-    the first prompt (the format: a chat template, DeepSeek-V4's markers). Exit 2 on the first
-    problem, naming `file:line`, or the data key whose format the tokenizer cannot carry.
-    Returns why the prompt lengths were not measured (no tokenizer here), else None."""
+    the first prompt (the format: a chat template, DeepSeek-V4's markers), and that decoding
+    keeps `reward.answer_after`. Exit 2 on the first problem, naming `file:line`, or the key
+    the tokenizer cannot carry. Returns why the prompt lengths were not measured (no tokenizer
+    here), else None."""
     from rl.data import DataError, build_datasets
+    skipped = None
     try:
         train, evals = build_datasets(cfg.data, cfg.seed)
         if cfg.data.source == "file":
-            return _check_prompt_lengths(cfg, train + evals)
+            skipped = _check_prompt_lengths(cfg, train + evals)
         elif cfg.model.path is not None and train:
             _check_prompt_format(cfg, train[0])
+        _check_answer_marker(cfg)
     except DataError as e:
         hint = " (pass --no-data-check if only the job's nodes can read it)" if str(e).endswith(
             ": no such file") else ""
         fail(f"data error: {e}{hint}")
     except ConfigError as e:
         fail(f"config error: {e}")
-    return None
+    return skipped
 
 
 def _check_prompt_lengths(cfg: Config, examples) -> str | None:
@@ -147,6 +150,22 @@ def _check_prompt_format(cfg: Config, example) -> None:
     if tokenizer is not None:
         from rl.data.datasets import prompt_ids
         prompt_ids(example, tokenizer, cfg.data)
+
+
+def _check_answer_marker(cfg: Config) -> None:
+    """ConfigError when the run's tokenizer (if here) loses `reward.answer_after` on the way
+    through the engines' decode (`rl.rollout.base.decode_response`): a special token other than
+    the reasoning markers that decode keeps. Every response would lack it and score 0."""
+    marker = cfg.reward.answer_after
+    tokenizer = _tokenizer(cfg) if marker is not None else None
+    if tokenizer is None:
+        return
+    from rl.rollout.base import decode_response
+    ids = tokenizer.encode(marker, add_special_tokens=False)
+    if marker not in decode_response(tokenizer, ids, "length"):
+        raise ConfigError(f"reward.answer_after: got {marker!r}, but the run's tokenizer drops "
+                          "it when decoding responses (a special token), so every response "
+                          "would score 0; expected text the responses keep, such as '</think>'")
 
 
 def _tokenizer(cfg: Config):

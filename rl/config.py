@@ -60,6 +60,9 @@ def _open_unit(obj: Any, *names: str) -> None:
 # Components
 # --------------------------------------------------------------------------------------
 MODEL_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v4", "tiny-deepseek-v3")
+THINK_END = "</think>"
+"""Where DeepSeek-V4's reasoning block ends (`rl.data.deepseek_v4.THINK_END`; rl.data imports
+this module, so the string is repeated here)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -206,12 +209,24 @@ class RewardConfig:
     """Time limit for math-verify on one response (seconds, 0 = off); a response that takes
     longer scores 0 and counts in `reward/failures`. Signal-based: enforced only where rewards
     run in the main thread."""
+    answer_after: str | None = "auto"
+    """Score only the text after the last occurrence of this marker (stripped): the correctness
+    function and the format reward see that tail, the trajectory log keeps the whole response.
+    A response without the marker (its reasoning never closed) scores 0, is not a failure, and
+    counts in `reward/unclosed_thinking_frac`. null = score the whole response. `auto` (resolved
+    when the config loads): `</think>` with `data.prompt_format: deepseek_v4` and
+    `data.deepseek_v4.thinking` (the reply opens inside a `<think>` block), else null."""
 
     def __post_init__(self) -> None:
         builtin = self.function in ("math", "exact")
         _check(builtin or ":" in self.function, "function", self.function,
                "'math', 'exact' or a dotted path 'package.module:function'")
         _non_negative(self, "format_weight", "verify_timeout_s")
+        marker = self.answer_after
+        _check(marker is None or marker.strip() != "", "answer_after", marker,
+               "'auto', null or a non-blank marker such as '</think>'")
+        _check(marker is None or marker.lower() != "none", "answer_after", marker,
+               "null to score the whole response ('none' would be a literal marker)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -808,6 +823,12 @@ class Config:
                f"raw or chat_template with a preset model ({self.model.preset}: its character "
                "tokenizer has no <｜User｜>, <｜Assistant｜>, <think> tokens); deepseek_v4 needs "
                "a DeepSeek-V4 checkpoint in model.path")
+        if self.reward.answer_after == "auto":
+            # Resolved here, where the prompt format is known: RewardComputer gets only
+            # cfg.reward. A new object, so a RewardConfig given to two Configs resolves in each.
+            self.reward = dataclasses.replace(self.reward, answer_after=(
+                THINK_END if self.data.format == "deepseek_v4" and self.data.deepseek_v4.thinking
+                else None))
 
     @property
     def run_dir(self) -> Path:

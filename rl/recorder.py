@@ -108,6 +108,7 @@ def rollout_metrics(samples, parts, seconds: float, n_samples: int, failures: in
             "reward/std": statistics.pstdev(total) if len(total) > 1 else 0.0,
             "reward/failures": float(failures),
             "reward/format": statistics.fmean(parts.format),
+            "reward/unclosed_thinking_frac": sum(parts.unclosed) / len(samples),
             "rollout/accuracy": sum(c >= 1.0 for c in parts.correctness) / len(samples),
             "rollout/response_length": statistics.fmean(lengths),
             "rollout/tokens_per_s": sum(lengths) / max(seconds, 1e-9)}

@@ -100,8 +100,9 @@ def _encode(tok, cfg: Config, examples) -> list[tuple[list[int], list[int]]]:
 @torch.no_grad()
 def greedy_accuracy(model, tok, cfg: Config, examples, max_new_tokens: int, batch_size: int = 256
                     ) -> float:
-    """Greedy pass@1 with exact integer/string match of the decoded answer."""
+    """Greedy pass@1, scored by the run's reward rules (`RewardComputer(cfg.reward)`)."""
     from rl.rewards.computer import RewardComputer
+    from rl.rollout.base import cut_at_stop, decode_response
     rewards = RewardComputer(cfg.reward)
     model.eval()
     correct = 0.0
@@ -114,7 +115,9 @@ def greedy_accuracy(model, tok, cfg: Config, examples, max_new_tokens: int, batc
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=tok.pad_token_id,
                              eos_token_id=tok.eos_token_id)
-        texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
+        # As the engines decode (reasoning markers kept), each row up to its first EOS.
+        texts = [decode_response(tok, *cut_at_stop(row, {tok.eos_token_id}))
+                 for row in out[:, width:].tolist()]
         correct += sum(c >= 1.0 for c in rewards.score(texts, chunk).correctness)
     return correct / max(len(examples), 1)
 

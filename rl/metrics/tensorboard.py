@@ -32,6 +32,9 @@ METRIC_TAGS: dict[str, str] = {
     "reward/zero_std_frac": "Fraction of prompt groups with identical rewards (zero advantage).",
     "reward/format": "Mean format reward of the step's rollout batch, before reward.format_weight "
                      "(1 = the answer in the expected form).",
+    "reward/unclosed_thinking_frac": (
+        "Fraction of the step's responses without reward.answer_after's marker (DeepSeek-V4 "
+        "thinking: reasoning never closed with `</think>`), scored 0; 0 when it is null."),
     "rollout/accuracy": "Fraction of samples judged correct by the verifier.",
     "rollout/response_length": "Mean response length [tokens].",
     "rollout/truncated_frac": "Fraction of responses cut at max_new_tokens (finish reason 'length').",

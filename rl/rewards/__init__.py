@@ -1,7 +1,9 @@
 """Rewards: math-verify equivalence, exact match, format, and user plugins by dotted path."""
-from rl.rewards.computer import RewardBreakdown, RewardComputer, resolve_reward_function
+from rl.rewards.computer import (RewardBreakdown, RewardComputer, answer_part,
+                                 resolve_reward_function)
 from rl.rewards.plugin import RewardFn, load_reward_function
 from rl.rewards.verifiers import exact_reward, format_reward, math_equal, math_reward
 
-__all__ = ["RewardBreakdown", "RewardComputer", "RewardFn", "exact_reward", "format_reward",
-           "load_reward_function", "math_equal", "math_reward", "resolve_reward_function"]
+__all__ = ["RewardBreakdown", "RewardComputer", "RewardFn", "answer_part", "exact_reward",
+           "format_reward", "load_reward_function", "math_equal", "math_reward",
+           "resolve_reward_function"]

@@ -3,6 +3,11 @@
 total = correctness + format_weight * format, per sample. A correctness function that raises or
 returns a non-number / non-finite value gives that sample a total reward of 0; the failure is
 counted in `failures` and the first few messages are kept in `errors` for logging.
+
+With `reward.answer_after` set (DeepSeek-V4's `</think>`), both parts score only the answer, the
+text after the last marker; a response without the marker scores 0 without calling the
+correctness function (DeepSeek-R1-style RL: no credit for an answer never given outside the
+reasoning, and no number picked out of the reasoning).
 """
 from __future__ import annotations
 
@@ -33,6 +38,15 @@ def resolve_reward_function(cfg: RewardConfig) -> RewardFn:
     return load_reward_function(cfg.function)
 
 
+def answer_part(response: str, marker: str | None) -> str | None:
+    """What the rewards score: the text after the last `marker`, stripped; the whole response
+    when `marker` is None; None when the response lacks the marker."""
+    if marker is None:
+        return response
+    _, found, tail = response.rpartition(marker)
+    return tail.strip() if found else None
+
+
 @dataclass(slots=True)
 class RewardBreakdown:
     """Per-sample parts, all of length N (the number of responses)."""
@@ -42,12 +56,19 @@ class RewardBreakdown:
     format: list[float]
     failed: list[bool]
     """True where the reward function failed (total forced to 0)."""
+    unclosed: list[bool]
+    """True where `reward.answer_after` is set and the response lacks it (all parts 0; the
+    reward function was not called, so not a failure)."""
 
 
 class RewardComputer:
     """Scores responses against their examples; see the module docstring for the rules."""
 
     def __init__(self, cfg: RewardConfig):
+        if cfg.answer_after == "auto":
+            raise ValueError("reward.answer_after: got 'auto', which `Config` resolves from "
+                             "data.prompt_format; a RewardConfig built alone needs null or a "
+                             "marker")
         self.cfg = cfg
         self.fn = resolve_reward_function(cfg)  # fails fast on a bad dotted path
         self.failures = 0
@@ -90,16 +111,21 @@ class RewardComputer:
         if len(responses) != len(examples):
             raise ValueError(f"RewardComputer: {len(responses)} responses but "
                              f"{len(examples)} examples; expected one example per response")
-        out = RewardBreakdown(total=[], correctness=[], format=[], failed=[])
+        out = RewardBreakdown(total=[], correctness=[], format=[], failed=[], unclosed=[])
         for i, (response, example) in enumerate(zip(responses, examples)):
             if cancelled is not None and cancelled():
                 raise StepAbandoned(f"stop requested while scoring ({i} of {len(responses)} done)")
-            correct = self._correctness(i, response, example)
-            fmt = format_reward(response, self.cfg.response_format)
+            answer = answer_part(response, self.cfg.answer_after)
+            if answer is None:
+                correct, fmt = 0.0, 0.0
+            else:
+                correct = self._correctness(i, answer, example)
+                fmt = format_reward(answer, self.cfg.response_format)
             failed = correct is None
             out.correctness.append(0.0 if failed else correct)
             out.format.append(fmt)
             out.failed.append(failed)
+            out.unclosed.append(answer is None)
             out.total.append(0.0 if failed else correct + self.cfg.format_weight * fmt)
         return out
 

@@ -4,8 +4,10 @@ The function must have the signature
 
     def my_reward(response: str, answer: str, meta: dict) -> float
 
-where `response` is the decoded completion (no EOS), `answer` the reference answer of the
-example (already extracted), and `meta` the example's other fields (plus `source`). It should
+where `response` is the decoded completion (no EOS) or, with `reward.answer_after` set
+(DeepSeek-V4 thinking: `</think>`), only its text after the last marker, stripped (a response
+without the marker scores 0 and the function is not called); `answer` the reference answer of
+the example (already extracted), and `meta` the example's other fields (plus `source`). It should
 return a finite number; the format reward (`reward.format_weight`) is added on top. Exceptions and
 non-finite or non-numeric results are caught by `RewardComputer`: the sample gets reward 0 and the
 failure is counted, so a buggy plugin never kills a run. The module must be importable where

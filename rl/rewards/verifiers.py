@@ -1,8 +1,8 @@
 """Built-in reward functions: math equivalence (math-verify), exact match, answer format.
 
 Correctness functions share the user-plugin signature `fn(response, answer, meta) -> float`
-(see `rl.rewards.plugin`); `response` is the decoded completion without EOS, `answer` the
-reference answer as extracted by `rl.data`.
+(see `rl.rewards.plugin`); `response` is the decoded completion without EOS (its answer part
+with `reward.answer_after`), `answer` the reference answer as extracted by `rl.data`.
 """
 from __future__ import annotations
 

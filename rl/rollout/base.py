@@ -17,7 +17,9 @@ consecutive per-prompt seeds, sample 0 of prompt 1 would replay sample 1 of prom
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Literal, Protocol, runtime_checkable
@@ -203,11 +205,48 @@ def check_score_args(prompt_ids: list[list[int]], response_ids: list[list[int]],
     check_token_lists("response_ids", response_ids, vocab_size, allow_empty=True)
 
 
+KEPT_MARKERS = ("<think>", "</think>")
+"""Reasoning markers every response text keeps, even from a tokenizer that marks them special
+(a `skip_special_tokens` decode drops those): `reward.answer_after` splits responses at
+`</think>`. DeepSeek's and Qwen3's tokenizers mark neither special; this guards the others."""
+
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def special_markers(tokenizer) -> dict[int, str]:
+    """{token id: marker} for each of KEPT_MARKERS that `tokenizer` holds as one token and drops
+    when decoding with `skip_special_tokens` (empty for DeepSeek's tokenizers). Probed by
+    decoding the markers (~0.3 ms), once per tokenizer object."""
+    try:
+        return _PROBED[tokenizer]
+    except (KeyError, TypeError):  # TypeError: no weak references to it, so probed every time
+        pass
+    found = {}
+    for marker in KEPT_MARKERS:
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) == 1 and marker not in tokenizer.decode(ids, skip_special_tokens=True):
+            found[ids[0]] = marker
+    with contextlib.suppress(TypeError):
+        _PROBED[tokenizer] = found
+    return found
+
+
 def decode_response(tokenizer, tokens: list[int], reason: str) -> str:
-    """Text without special tokens and without the stop token (as vLLM returns it)."""
+    """Text without special tokens and without the stop token (as vLLM returns it), but with
+    KEPT_MARKERS, which are spliced back where the tokenizer would drop them."""
     if tokenizer is None:
         return ""
-    return tokenizer.decode(tokens[:-1] if reason == "stop" else tokens, skip_special_tokens=True)
+    tokens = tokens[:-1] if reason == "stop" else tokens
+    kept = special_markers(tokenizer)
+    if kept.keys().isdisjoint(tokens):
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+    parts, start = [], 0
+    for i, t in enumerate(tokens):
+        if t in kept:
+            parts += [tokenizer.decode(tokens[start:i], skip_special_tokens=True), kept[t]]
+            start = i + 1
+    parts.append(tokenizer.decode(tokens[start:], skip_special_tokens=True))
+    return "".join(parts)
 
 
 def check_version(current: int, new: int) -> None:

@@ -37,9 +37,8 @@ import torch
 from rl.config import ConfigError, RolloutConfig
 from rl.quant.backends import vllm_engine_env
 from rl.rollout.base import (
-    Sample, SamplingParams, check_score_args, check_token_lists, check_version, has_tokenizer,
-    prompt_seeds,
-    read_eos_ids, resolve_device, resolve_dtype,
+    Sample, SamplingParams, check_score_args, check_token_lists, check_version, decode_response,
+    has_tokenizer, prompt_seeds, read_eos_ids, resolve_device, resolve_dtype, special_markers,
 )
 
 log = logging.getLogger(__name__)
@@ -118,6 +117,9 @@ class VLLMEngine:
 
         self.llm = LLM(**kwargs)
         self.detokenize = "tokenizer" in kwargs
+        self.tokenizer = self.llm.get_tokenizer() if self.detokenize else None
+        self.special_markers = special_markers(self.tokenizer) if self.detokenize else {}
+        """Reasoning markers vLLM's `skip_special_tokens` decode drops (`rl.rollout.base`)."""
         self.eos_ids = read_eos_ids(self.model_dir)
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.weight_version = 0
@@ -190,7 +192,10 @@ class VLLMEngine:
         if c.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM ended a sample with finish_reason={c.finish_reason!r} "
                                "(expected stop or length)")
-        return Sample(prompt_ids=list(prompt), response_ids=tokens, text=c.text or "",
+        text = c.text or ""
+        if not self.special_markers.keys().isdisjoint(tokens):
+            text = decode_response(self.tokenizer, tokens, c.finish_reason)
+        return Sample(prompt_ids=list(prompt), response_ids=tokens, text=text,
                       logprobs=[float(c.logprobs[j][t].logprob) for j, t in enumerate(tokens)],
                       finish_reason=c.finish_reason, weight_version=self.weight_version)
 

@@ -186,3 +186,14 @@ def write_published_tokenizer(dst: Path) -> dict[str, int]:
     known = Path(__file__).resolve().parents[2] / "rl" / "plan" / "known" / "DeepSeek-V4-Flash.json"
     (dst / "config.json").write_text(known.read_text())
     return {t: vocab[t] for t in (*V4_SPECIAL, *V4_MARKERS)}
+
+
+def mark_special(tokenizer_dir: Path, *markers: str) -> None:
+    """Flag `markers` special in `tokenizer_dir/tokenizer.json` (a `skip_special_tokens` decode
+    then drops them): a tokenizer unlike DeepSeek's, for the decode tests."""
+    path = tokenizer_dir / "tokenizer.json"
+    data = json.loads(path.read_text())
+    for token in data["added_tokens"]:
+        if token["content"] in markers:
+            token["special"] = True
+    path.write_text(json.dumps(data, ensure_ascii=False))

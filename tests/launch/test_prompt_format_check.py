@@ -56,3 +56,15 @@ def test_a_synthetic_source_checks_the_format_too(published, capsys):
         check_data_or_exit(load_config(DSV4, [*published, "data.source=synthetic",
                                               "data.prompt_format=chat_template"]))
     assert e.value.code == 2 and "has no chat template" in capsys.readouterr().err
+
+
+def test_an_answer_marker_that_decoding_drops_is_refused(published, capsys):
+    """EOS is a special token: no response text holds it, so every response would score 0."""
+    check_data_or_exit(load_config(DSV4, [*published, "reward.answer_after='Final answer:'"]))
+    with pytest.raises(SystemExit) as e:
+        check_data_or_exit(load_config(DSV4, [*published,
+                                              "reward.answer_after=<｜end▁of▁sentence｜>"]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("config error: reward.answer_after: got '<｜end▁of▁sentence｜>', but "
+                          "the run's tokenizer drops it when decoding responses")

@@ -134,7 +134,7 @@ def test_after_training_a_stop_keeps_finished_batches_and_drops_the_rest_within_
 
 
 def test_reward_scoring_stops_when_cancelled():
-    rewards = RewardComputer(RewardConfig(function="exact"))
+    rewards = RewardComputer(RewardConfig(function="exact", answer_after=None))
     examples = [Example(prompt="q", answer="7")] * 3
     calls = iter([False, False, True])
     with pytest.raises(StepAbandoned, match="2 of 3"):

@@ -32,3 +32,14 @@ def test_the_hash_counts_only_keys_off_their_default():
     assert resume_hash(load_config(None, ["name=other", "eval.every=7"])) == empty  # ignored keys
     assert resume_hash(load_config(None, ["algorithm.clip_low=0.1"])) != empty
     assert resume_hash(load_config(None, ["seed=1"])) != resume_hash(load_config(None, ["seed=2"]))
+
+
+def test_reward_answer_after_keeps_old_runs_resumable_unless_their_scoring_changes():
+    """Runs written before reward.answer_after resume as before; a DeepSeek-V4 thinking run now
+    scores only the answer after `</think>`, a change the resume check names."""
+    new = to_dict(load_config(None, []))
+    assert config_differences(_without(new, "reward.answer_after"), new) == []
+    assert resume_hash(load_config(None, [])) == resume_hash(Config())
+    v4 = to_dict(load_config(None, ["model.path=/m", "data.prompt_format=deepseek_v4"]))
+    assert config_differences(_without(v4, "reward.answer_after"), v4) == [
+        "reward.answer_after: None -> '</think>'"]

@@ -18,12 +18,17 @@ def importable_tests(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
 
 
+def bare(**kwargs) -> RewardConfig:
+    """A RewardConfig built alone, without a Config to resolve `answer_after: auto`."""
+    return RewardConfig(answer_after=None, **kwargs)
+
+
 def examples(*answers, **meta):
     return [Example(prompt=f"p{i}", answer=a, meta=dict(meta)) for i, a in enumerate(answers)]
 
 
 def test_math_total_is_correctness_plus_weighted_format():
-    computer = RewardComputer(RewardConfig(function="math", format_weight=0.5))
+    computer = RewardComputer(bare(function="math", format_weight=0.5))
     responses = ["42", "\\boxed{\\frac{1}{2}} because", "41", "$0.5$"]
     parts = computer.score(responses, examples("42", "0.5", "42", "1/2"))
     assert parts.correctness == [1.0, 1.0, 0.0, 1.0]
@@ -34,13 +39,12 @@ def test_math_total_is_correctness_plus_weighted_format():
 
 
 def test_exact_and_response_format():
-    computer = RewardComputer(RewardConfig(function="exact", format_weight=1.0,
-                                           response_format="boxed"))
+    computer = RewardComputer(bare(function="exact", format_weight=1.0, response_format="boxed"))
     assert computer(["\\boxed{x+1}", "x+1"], examples("x+1", "x+1")) == [2.0, 1.0]
 
 
 def test_user_plugin_receives_meta():
-    computer = RewardComputer(RewardConfig(function=f"{PLUGINS}:length_match"))
+    computer = RewardComputer(bare(function=f"{PLUGINS}:length_match"))
     assert computer(["12", "123"], examples("42", "42", scale=2.0)) == [2.0, 0.0]
 
 
@@ -50,7 +54,7 @@ def test_user_plugin_receives_meta():
     ("not_a_number", "TypeError: returned '1.0' (str), expected a finite number"),
 ])
 def test_failing_plugin_is_counted_not_fatal(name, error):
-    computer = RewardComputer(RewardConfig(function=f"{PLUGINS}:{name}", format_weight=1.0))
+    computer = RewardComputer(bare(function=f"{PLUGINS}:{name}", format_weight=1.0))
     parts = computer.score(["boom", "7"], examples("7", "7"))
     assert parts.failed[0] and parts.total[0] == 0.0  # a failure also drops the format reward
     assert computer.failures == (2 if name != "raising" else 1)
@@ -62,21 +66,21 @@ def test_failing_plugin_is_counted_not_fatal(name, error):
 
 
 def test_error_messages_are_capped_but_failures_keep_counting():
-    computer = RewardComputer(RewardConfig(function=f"{PLUGINS}:not_finite"))
+    computer = RewardComputer(bare(function=f"{PLUGINS}:not_finite"))
     for _ in range(3):
         computer(["1"] * 4, examples(*["1"] * 4))
     assert computer.failures == 12 and len(computer.errors) == 5
 
 
 def test_unparseable_reference_in_math_is_a_counted_failure():
-    computer = RewardComputer(RewardConfig(function="math"))
+    computer = RewardComputer(bare(function="math"))
     assert computer(["1.5", "1.5"], examples("$$", "3/2")) == [0.0, 1.0]
     assert computer.failures == 1 and "cannot parse the reference answer" in computer.errors[0]
 
 
 
 def test_math_verify_timeout_is_a_counted_failure():
-    computer = RewardComputer(RewardConfig(function="math", verify_timeout_s=0.2))
+    computer = RewardComputer(bare(function="math", verify_timeout_s=0.2))
     parts = computer.score(["\\boxed{9^{9^{9}}}", "$\\frac{3}{7}$"], examples("3/7", "3/7"))
     assert parts.failed == [True, False] and parts.total == [0.0, 1.0]
     assert computer.failures == 1
@@ -94,7 +98,7 @@ def test_bad_dotted_path_is_a_config_error(path, message):
     with pytest.raises(ConfigError, match=message):
         load_reward_function(path)
     with pytest.raises(ConfigError, match=message):
-        RewardComputer(RewardConfig(function=path))
+        RewardComputer(bare(function=path))
 
 
 def test_config_rejects_a_function_without_colon():
@@ -104,4 +108,4 @@ def test_config_rejects_a_function_without_colon():
 
 def test_length_mismatch_is_an_error():
     with pytest.raises(ValueError, match="2 responses but 1 examples"):
-        RewardComputer(RewardConfig())(["1", "2"], examples("1"))
+        RewardComputer(bare())(["1", "2"], examples("1"))

@@ -21,3 +21,9 @@ def not_a_number(response: str, answer: str, meta: dict) -> float:
 
 
 NOT_CALLABLE = 3
+
+
+def records_response(response: str, answer: str, meta: dict) -> float:
+    """Appends what it was given to `meta["seen"]` (a list the test shares) and scores 1."""
+    meta["seen"].append(response)
+    return 1.0
