@@ -136,8 +136,9 @@ class Runtime:
             # multiprocessing joins them at exit, so the driver hung after printing its error.
             self._kill_all()
             raise
-        log.info("runtime ready in %.1fs: %d trainer ranks, %d engines (%s)", time.perf_counter() - t0,
-                 len(self.trainers), len(self.engines), self.placement.backend)
+        log.info("runtime ready in %.1fs: %d trainer ranks, %d engines (%s), weight sync over %s",
+                 time.perf_counter() - t0, len(self.trainers), len(self.engines),
+                 self.placement.backend, self.sync_backend)
 
     # ---- construction --------------------------------------------------------------------
     def _pick_master(self, pg) -> None:
