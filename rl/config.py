@@ -528,6 +528,11 @@ class CheckpointConfig:
     """After a stop signal, the time allowed to finish the step and write the checkpoint."""
     max_bad_steps: int = 3
     """Abort (with a checkpoint) after this many non-finite steps in a row."""
+    checksums: bool = True
+    """Record each checkpoint file's SHA-256 in the manifest (hashed by the process that wrote
+    it, right after writing) and verify them before a resume, which then falls back past a
+    damaged checkpoint. Costs one extra read of the checkpoint on save and on resume, spread
+    over the trainer ranks. Off: only file sizes are recorded and checked."""
 
     def __post_init__(self) -> None:
         _non_negative(self, "every", "keep_every")

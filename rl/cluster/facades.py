@@ -36,8 +36,28 @@ class TrainerGroup:
         """Per-token log-probs of the responses (every rank takes part under ZeRO-3)."""
         return wait_all([a.call("score", prompt_ids, response_ids) for a in self.actors])[0]
 
-    def save(self, path: str, tag: str, client_state: dict) -> None:
-        wait_all([a.call("save", path, tag, client_state) for a in self.actors])
+    def save(self, path: str, tag: str, client_state: dict, checksum: bool = True) -> dict:
+        """Every rank writes, fsyncs and (with `checksum`) hashes its files. Returns {"files":
+        {path relative to `path`: {"bytes", "sha256", "rank"}}, "seconds": the slowest rank's
+        sealing time}."""
+        results = wait_all([a.call("save", path, tag, client_state, checksum)
+                            for a in self.actors])
+        files = {rel: {**rec, "rank": rank} for rank, r in enumerate(results)
+                 for rel, rec in r["files"].items()}
+        return {"files": files, "seconds": max(r["seconds"] for r in results)}
+
+    def sha256(self, path: str, by_rank: dict[int, list[str]]) -> dict[str, str]:
+        """SHA-256 of the checkpoint files under `path` (relative paths), each file hashed by
+        the rank that wrote it (rank modulo the ranks there are now), all ranks at once."""
+        n = len(self.actors)
+        share: dict[int, list[str]] = {}
+        for rank, rels in by_rank.items():
+            share.setdefault(rank % n, []).extend(rels)
+        out: dict[str, str] = {}
+        for part in wait_all([self.actors[r].call("sha256", path, rels)
+                              for r, rels in share.items()]):
+            out.update(part)
+        return out
 
     def load(self, path: str, tag: str) -> dict:
         return wait_all([a.call("load", path, tag) for a in self.actors])[0]

@@ -23,9 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rl.checkpoint_files import seal_files, sha256_files
 from rl.config import AlgorithmConfig, SyncConfig, TrainerConfig
 from rl.trainer import losses
 from rl.trainer.batch import TrainBatch
+from rl.trainer.checkpoint_io import RecordingCheckpointEngine, rank_files
 from rl.trainer.microbatch import Micro, micro_batches, pad_batch
 from rl.trainer.weights import WeightSender
 
@@ -189,6 +191,7 @@ class TrainerWorker:
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optim, lr_scheduler=sched,
                                                config=config, dist_init_required=False)
         buffers_to(engine.module, self.device)
+        engine.checkpoint_engine = RecordingCheckpointEngine(engine.checkpoint_engine)
         if self.device.type == "cuda":
             from rl.trainer import alignment
             alignment.install(engine.module)
@@ -447,19 +450,41 @@ class TrainerWorker:
         return self.sender.gather_all()
 
     # ---- checkpoint ----------------------------------------------------------------------
-    def save(self, path: str, tag: str, client_state: dict | None = None) -> None:
-        """Collective: every rank writes its DeepSpeed shard and its own RNG file into path/tag."""
+    def save(self, path: str, tag: str, client_state: dict | None = None,
+             checksum: bool = True) -> dict:
+        """Collective: every rank writes its DeepSpeed shard and its own RNG file into path/tag,
+        then fsyncs the files it wrote (and their directories) and, with `checksum`, hashes them
+        (`rl.checkpoint_files.seal_files`; all ranks at once). Returns {"files": {path relative
+        to `path`: {"bytes", "sha256"}}, "seconds": the time sealing them took}."""
         state = dict(client_state or {})
         state["optimizer_steps"] = self.optimizer_steps
         rng = rng_state()  # taken first: nothing the save does may shift what a resume restores
+        self.engine.checkpoint_engine.take()  # forget the paths of any earlier save
         self.engine.save_checkpoint(path, tag=tag, client_state=state, save_latest=False)
+        own = self._save_own_files(path, tag, rng)
+        swap_rank = (self.engine.local_rank if self.engine.use_node_local_storage()
+                     else self.engine.global_rank)
+        files = rank_files(path, tag, self.engine.checkpoint_engine.take(), own, self.rank,
+                           swap_rank)
+        records, seconds = seal_files(Path(path), files, checksum)
+        return {"files": records, "seconds": seconds}
+
+    def _save_own_files(self, path: str, tag: str, rng: dict) -> list[Path]:
+        """The files this rank writes besides DeepSpeed's; returns their paths."""
+        own = []
         if self.ep is not None:  # the expert shards live outside DeepSpeed: a file per rank
-            torch.save(self.ep.state_dict(), rank_file(path, tag, "experts", self.rank))
+            own.append(rank_file(path, tag, "experts", self.rank))
+            torch.save(self.ep.state_dict(), own[-1])
         # Under ZeRO 0-2 DeepSpeed writes client_state from rank 0 only, and every rank loads that
         # copy back: each rank's own streams go in a file of its own.
-        rng_file = rank_file(path, tag, "rng", self.rank)
-        rng_file.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(rng, rng_file)
+        own.append(rank_file(path, tag, "rng", self.rank))
+        own[-1].parent.mkdir(parents=True, exist_ok=True)
+        torch.save(rng, own[-1])
+        return own
+
+    def sha256(self, path: str, relpaths: list[str]) -> dict[str, str]:
+        """SHA-256 of files of a checkpoint (relative to `path`), for the resume's check."""
+        return sha256_files(Path(path), relpaths)
 
     def load(self, path: str, tag: str) -> dict:
         _, client = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,

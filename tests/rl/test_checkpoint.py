@@ -50,7 +50,7 @@ def test_incomplete_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="rl.checkpoint"):
         path, manifest = mgr.latest()
     assert path.name == "step_000008" and manifest["step"] == 8
-    assert f"skipping incomplete checkpoint {newest} (no {MANIFEST})" in caplog.text
+    assert f"skipping checkpoint {newest.name}: no {MANIFEST}" in caplog.text
     assert mgr.complete_steps() == [4, 8]
 
 
@@ -62,7 +62,7 @@ def test_unreadable_manifest_is_skipped_with_a_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="rl.checkpoint"):
         path, _ = mgr.latest()
     assert path.name == "step_000004"
-    assert f"skipping unreadable checkpoint {broken}" in caplog.text
+    assert f"skipping checkpoint {broken.name}: unreadable {MANIFEST}" in caplog.text
 
 
 def test_interrupted_writes_are_reported_then_cleaned_by_the_next_save(tmp_path, caplog):

@@ -1,12 +1,16 @@
 """The driver checkpoint is assembled from its parts' own state (`rl.checkpoint.Checkpointer`):
 a save and a load restore every part, and driver.pt keeps the layout older runs wrote (their
 checkpoints still resume)."""
+import json
+import logging
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
-from rl.checkpoint import Checkpointer
+from rl.checkpoint import MANIFEST, Checkpointer
+from rl.checkpoint_files import seal_files, sha256_files
 from rl.config import ConfigError, load_config
 from rl.data.sampler import PromptSampler
 from rl.evaluate import Evaluator
@@ -21,11 +25,21 @@ DRIVER_STATE_KEYS = {"step", "weight_version", "warm_start_accuracy", "last_eval
 
 
 class _Trainer:
+    """A trainer group of one rank that writes (and seals) one shard file."""
+
     def __init__(self):
         self.saved, self.loaded = [], []
 
-    def save(self, path, tag, client_state):
+    def save(self, path, tag, client_state, checksum=True):
         self.saved.append(client_state)
+        (Path(path) / tag).mkdir(parents=True)
+        (Path(path) / tag / "shard.pt").write_bytes(b"weights" * 100)
+        files, seconds = seal_files(Path(path), [f"{tag}/shard.pt"], checksum)
+        return {"files": {rel: {**rec, "rank": 0} for rel, rec in files.items()},
+                "seconds": seconds}
+
+    def sha256(self, path, by_rank):
+        return sha256_files(Path(path), by_rank[0])
 
     def load(self, path, tag):
         self.loaded.append(path)
@@ -93,3 +107,27 @@ def test_a_checkpoint_of_another_config_is_refused_unless_forced(tmp_path):
     with pytest.raises(ConfigError, match="refusing to resume from step_000000"):
         other.load_latest(force=False)
     assert other.load_latest(force=True) is not None
+
+
+def test_a_truncated_newest_driver_pt_falls_back_to_the_older_checkpoint(tmp_path, caplog):
+    cfg = load_config(None, [f"output_dir={tmp_path}", "name=run"])
+    ckpt, state, *_ = _parts(cfg)
+    for step in (3, 6):
+        state.step = step
+        ckpt.save()
+    newest = cfg.run_dir / "checkpoints" / "step_000006"
+    driver = newest / "driver.pt"
+    size = driver.stat().st_size
+    driver.write_bytes(driver.read_bytes()[:100])  # e.g. a node lost while the page cache held it
+
+    resumed, state2, *_, trainer2 = _parts(cfg)
+    with caplog.at_level(logging.INFO, logger="rl.checkpoint"):
+        path = resumed.load_latest(force=False)
+    assert path.name == "step_000003" and state2.step == 3
+    assert trainer2.loaded == [str(path / "trainer")]
+    assert f"skipping checkpoint step_000006: truncated file driver.pt (100 of {size} bytes)" \
+        in caplog.text
+    assert "verified the SHA-256 of 2 files" in caplog.text
+    files = json.loads((path / MANIFEST).read_text())["files"]
+    assert set(files) == {"driver.pt", "trainer/ds/shard.pt"}
+    assert files["trainer/ds/shard.pt"]["rank"] == 0 and files["driver.pt"]["rank"] == "driver"

@@ -35,10 +35,13 @@ def test_ctrl_c_and_resume_equals_uninterrupted_run(reference_run, tmp_path):
 
 
 
-def test_zero2_resume_from_a_checkpoint_equals_uninterrupted_run(tmp_path, ray_local):
+def test_zero2_resume_from_a_checkpoint_equals_uninterrupted_run(tmp_path, ray_local, caplog):
     """ZeRO-2, where DeepSpeed writes its client state from rank 0 only (each rank's RNG is a file
     of its own). The HF engine keeps it cheap. The resumed run is the reference's run directory
-    as it stood after step 3's checkpoint: the resume truncates the later steps' logs itself."""
+    with step 6's checkpoint torn (a trainer shard cut short, as by a node lost before its page
+    cache reached the disk): the resume skips it, resumes from step 3 after the trainer ranks
+    verified that one's checksums, and truncates the later steps' logs itself."""
+    import logging
     import shutil
     from rl.checkpoint import step_dir_name
     from rl.loop import run
@@ -47,11 +50,16 @@ def test_zero2_resume_from_a_checkpoint_equals_uninterrupted_run(tmp_path, ray_l
     assert run(ref).status == "done"
     resumed = make_cfg(tmp_path / "resumed", "zero2", *zero2)
     shutil.copytree(ref.run_dir, resumed.run_dir)
-    shutil.rmtree(resumed.run_dir / "checkpoints" / step_dir_name(6))
-    (resumed.run_dir / "checkpoints" / "latest").write_text(step_dir_name(3) + "\n")
-    result = run(resumed)
+    shard = next((resumed.run_dir / "checkpoints" / step_dir_name(6) / "trainer" / "ds").glob(
+        "*optim_states.pt"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with caplog.at_level(logging.INFO, logger="rl.checkpoint"):
+        result = run(resumed)
+    assert f"skipping checkpoint step_000006: truncated file trainer/ds/{shard.name}" in caplog.text
+    assert "verified the SHA-256 of" in caplog.text
     assert result.status == "done" and [m["step"] for m in result.history] == [4, 5, 6]
     assert_same_run(resumed.run_dir, ref.run_dir)
+    assert not list((resumed.run_dir / "checkpoints" / "damaged").iterdir())  # step 6 rewritten
 
 def test_kill9_during_checkpoint_resumes_from_previous(tmp_path):
     """The checkpoint's atomicity, not the engine, is under test: the HF engine keeps it cheap
