@@ -9,7 +9,7 @@ Layout of `RUN_DIR/checkpoints/`:
     manifest.json         written last: step, weight version, config hash, versions, time, and
                           every file's size and SHA-256 (`files`, rl/checkpoint_files.py)
   latest                  text file naming the newest complete checkpoint (replaced atomically)
-  .tmp-step_000009-*/     a write in progress, or an interrupted one (removed by the next save)
+  .tmp-step_000009-*/     a write in progress (one that failed is removed at once)
   damaged/step_000012-*/  a checkpoint a resume found damaged, kept until the run passes its step
 
 Write protocol: everything goes into a temporary directory; every process fsyncs and checksums
@@ -41,8 +41,8 @@ from typing import Callable
 
 import torch
 
-from rl.checkpoint_files import (digest_problem, fsync_dir, list_files, seal_files, sha256_files,
-                                 size_problem)
+from rl.checkpoint_files import (digest_problem, fsync_dir, list_files, release_files, seal_files,
+                                 sha256_files, size_problem)
 from rl.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -113,29 +113,44 @@ class CheckpointManager:
              write_payload: Callable[[Path], dict | None], extra: dict | None = None) -> Path:
         """`write_payload(tmp_dir)` writes the trainer and driver state into `tmp_dir` and
         returns the manifest records ({path relative to tmp_dir: {"bytes", "sha256", "rank"}})
-        of the files it sealed itself, or None; every other file there is sealed here."""
+        of the files it sealed itself, or None; every other file there is sealed here.
+
+        A save that fails (a full disk: ENOSPC) removes its temporary directory before the error
+        propagates: the older checkpoints and `latest` stay as they were, and the space the
+        attempt took is free again for the next one."""
         t0 = time.perf_counter()
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
-        files = dict(write_payload(tmp) or {})
-        # Fault injection for the crash-during-checkpoint test: a window in which the payload
-        # is on disk but the checkpoint is not complete yet.
-        time.sleep(float(os.environ.get("RL_FAULT_CHECKPOINT_SLEEP_S", "0") or 0))
-        rest = [rel for rel in list_files(tmp) if rel not in files]
-        sealed, seal_s = seal_files(tmp, rest, self.checksums)
-        files.update({rel: {**rec, "rank": "driver"} for rel, rec in sealed.items()})
-        manifest = {"format": FORMAT_VERSION, "step": step, "weight_version": weight_version,
-                    "config_hash": config_hash, "versions": dict(software_versions()),
-                    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "host": socket.gethostname(), **(extra or {}),
-                    "checksum": "sha256" if self.checksums else None,
-                    "files": dict(sorted(files.items()))}
-        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2))
-        _fsync_dirs(tmp)
-        if final.exists():  # an older checkpoint of the same step (e.g. re-run after resume)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        try:
+            files = dict(write_payload(tmp) or {})
+            # Fault injection for the crash-during-checkpoint test: a window in which the payload
+            # is on disk but the checkpoint is not complete yet.
+            time.sleep(float(os.environ.get("RL_FAULT_CHECKPOINT_SLEEP_S", "0") or 0))
+            rest = [rel for rel in list_files(tmp) if rel not in files]
+            sealed, seal_s = seal_files(tmp, rest, self.checksums)
+            files.update({rel: {**rec, "rank": "driver"} for rel, rec in sealed.items()})
+            manifest = {"format": FORMAT_VERSION, "step": step, "weight_version": weight_version,
+                        "config_hash": config_hash, "versions": dict(software_versions()),
+                        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        "host": socket.gethostname(), **(extra or {}),
+                        "checksum": "sha256" if self.checksums else None,
+                        "files": dict(sorted(files.items()))}
+            atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2))
+            _fsync_dirs(tmp)
+            if final.exists():  # an older checkpoint of the same step (e.g. re-run after resume)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except BaseException as e:
+            release_files(e)
+            shutil.rmtree(tmp, ignore_errors=True)
+            # A full disk does not always say so: torch.save's zip writer reports a short write
+            # as "unexpected pos N vs M". The free space does.
+            log.error("checkpoint %s not written (%s: %s); removed %s, the older checkpoints are "
+                      "untouched; %s free on %s", final.name, type(e).__name__,
+                      str(e).splitlines()[0] if str(e) else "", tmp.name,
+                      _free_text(self.root), self.root)
+            raise
         fsync_dir(self.root)
         atomic_write_text(self.root / "latest", final.name + "\n")
         self._retain(step)
@@ -253,6 +268,14 @@ class CheckpointManager:
         log.warning("moved the damaged checkpoint %s to %s (removed once the run writes step %d "
                     "again)", path.name, target, _step_of(path.name))
         return target
+
+
+def _free_text(path: Path) -> str:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return "? bytes"
+    return f"{st.f_bavail * st.f_frsize / 1e9:.3f} GB"
 
 
 def _step_of(name: str) -> int | None:

@@ -14,9 +14,11 @@ checksum mismatch) or None.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -122,3 +124,20 @@ def digest_problem(files: dict[str, dict], digests: dict[str, str]) -> str | Non
             return f"checksum mismatch in {rel}"
     return None
 
+
+def release_files(error: BaseException) -> None:
+    """Let go of the files a failed write left open. torch.save's zip writer closes its file
+    only when the writer object dies, and the error's traceback keeps it alive: on a full disk
+    the space of a removed file then stays taken (tmpfs, local disks) or the directory cannot
+    be removed at all (NFS keeps the open file as .nfsXXXX). Clears the traceback's finished
+    frames (their line numbers stay for the report)."""
+    seen: set[int] = set()
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        stack += [e.__context__, e.__cause__]
+    gc.collect()

@@ -39,9 +39,19 @@ class TrainerGroup:
     def save(self, path: str, tag: str, client_state: dict, checksum: bool = True) -> dict:
         """Every rank writes, fsyncs and (with `checksum`) hashes its files. Returns {"files":
         {path relative to `path`: {"bytes", "sha256", "rank"}}, "seconds": the slowest rank's
-        sealing time}."""
-        results = wait_all([a.call("save", path, tag, client_state, checksum)
-                            for a in self.actors])
+        sealing time}. On failure every rank is waited for before the first error is raised
+        (the failing rank's own, not another rank's `PeerSaveFailed`), so that no rank still
+        writes into the directory the caller removes."""
+        from rl.trainer.worker import PeerSaveFailed
+        futures = [a.call("save", path, tag, client_state, checksum) for a in self.actors]
+        results, errors = [], []
+        for f in futures:
+            try:
+                results.append(f.result())
+            except Exception as e:  # noqa: BLE001 - raised below, once every rank answered
+                errors.append(e)
+        if errors:
+            raise next((e for e in errors if not isinstance(e, PeerSaveFailed)), errors[0])
         files = {rel: {**rec, "rank": rank} for rank, r in enumerate(results)
                  for rel, rec in r["files"].items()}
         return {"files": files, "seconds": max(r["seconds"] for r in results)}

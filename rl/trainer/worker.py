@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rl.checkpoint_files import seal_files, sha256_files
+from rl.checkpoint_files import release_files, seal_files, sha256_files
 from rl.config import AlgorithmConfig, SyncConfig, TrainerConfig
 from rl.trainer import losses
 from rl.trainer.batch import TrainBatch
@@ -96,6 +96,10 @@ def ds_config(cfg: TrainerConfig, bf16: bool) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+class PeerSaveFailed(RuntimeError):
+    """This rank wrote its part of the checkpoint, but another rank's write failed."""
 
 
 class TrainerWorker:
@@ -455,19 +459,45 @@ class TrainerWorker:
         """Collective: every rank writes its DeepSpeed shard and its own RNG file into path/tag,
         then fsyncs the files it wrote (and their directories) and, with `checksum`, hashes them
         (`rl.checkpoint_files.seal_files`; all ranks at once). Returns {"files": {path relative
-        to `path`: {"bytes", "sha256"}}, "seconds": the time sealing them took}."""
+        to `path`: {"bytes", "sha256"}}, "seconds": the time sealing them took}.
+
+        A rank that fails (a full disk) fails the save on every rank: it still meets the others
+        at the barrier that ends DeepSpeed's `save_checkpoint`, then all ranks agree (an
+        all-reduce) and raise, so that none is left waiting in a collective or writing into a
+        directory the driver is about to remove."""
+        import torch.distributed as dist
         state = dict(client_state or {})
         state["optimizer_steps"] = self.optimizer_steps
         rng = rng_state()  # taken first: nothing the save does may shift what a resume restores
         self.engine.checkpoint_engine.take()  # forget the paths of any earlier save
-        self.engine.save_checkpoint(path, tag=tag, client_state=state, save_latest=False)
-        own = self._save_own_files(path, tag, rng)
-        swap_rank = (self.engine.local_rank if self.engine.use_node_local_storage()
-                     else self.engine.global_rank)
-        files = rank_files(path, tag, self.engine.checkpoint_engine.take(), own, self.rank,
-                           swap_rank)
-        records, seconds = seal_files(Path(path), files, checksum)
-        return {"files": records, "seconds": seconds}
+        error: Exception | None = None
+        try:
+            self.engine.save_checkpoint(path, tag=tag, client_state=state, save_latest=False)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the ranks agree
+            error = e
+            release_files(e)  # else the half-written shard keeps its disk space
+            dist.barrier()  # the one the other ranks wait in at the end of save_checkpoint
+        out: dict = {}
+        if error is None:
+            try:
+                own = self._save_own_files(path, tag, rng)
+                swap_rank = (self.engine.local_rank if self.engine.use_node_local_storage()
+                             else self.engine.global_rank)
+                files = rank_files(path, tag, self.engine.checkpoint_engine.take(), own,
+                                   self.rank, swap_rank)
+                records, seconds = seal_files(Path(path), files, checksum)
+                out = {"files": records, "seconds": seconds}
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the ranks agree
+                error = e
+                release_files(e)
+        failed = torch.tensor([0.0 if error is None else 1.0], device=self.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise PeerSaveFailed(f"trainer rank {self.rank}: the checkpoint write failed on "
+                                 "another rank")
+        return out
 
     def _save_own_files(self, path: str, tag: str, rng: dict) -> list[Path]:
         """The files this rank writes besides DeepSpeed's; returns their paths."""

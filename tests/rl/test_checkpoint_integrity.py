@@ -1,7 +1,8 @@
 """Checkpoints that prove themselves (CheckpointManager alone, tiny payloads): the manifest lists
 every file's size and SHA-256; a resume skips damaged checkpoints newest first, one line each,
 and moves them aside; none intact is one clear error; old checkpoints without a file list still
-load."""
+load; a failed save (a real full disk: a small tmpfs) removes its temporary directory at once."""
+import errno
 import hashlib
 import json
 import logging
@@ -11,6 +12,7 @@ import pytest
 from rl.checkpoint import DAMAGED, MANIFEST, CheckpointManager, NoIntactCheckpoint, step_dir_name
 from rl.checkpoint_files import sha256_files
 from rl.config import ConfigError
+from tests.helpers.small_fs import fill, free_bytes, small_tmpfs
 
 
 def save(mgr, step, nbytes=100):
@@ -121,4 +123,37 @@ def test_checkpoints_from_before_the_file_list_still_load_unverified(tmp_path, c
     assert path == old and manifest["step"] == 5
     assert ("checkpoint step_000005 was written before checkpoints listed their files "
             "(format 1): loading it unverified") in caplog.text
+
+
+def test_a_failed_save_removes_its_temporary_directory_at_once(tmp_path, caplog):
+    mgr = CheckpointManager(tmp_path)
+    save(mgr, 3)
+
+    def payload(tmp):
+        (tmp / "driver.txt").write_text("half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with caplog.at_level(logging.ERROR, logger="rl.checkpoint"), pytest.raises(OSError):
+        mgr.save(6, 6, "h", payload)
+    assert not list(mgr.root.glob(".tmp-*"))
+    assert mgr.complete_steps() == [3]
+    assert (mgr.root / "latest").read_text().strip() == step_dir_name(3)
+    assert "checkpoint step_000006 not written (OSError: [Errno 28] No space left" in caplog.text
+
+
+def test_disk_full_during_a_save_leaves_the_older_checkpoints_and_frees_the_space(tmp_path):
+    with small_tmpfs(tmp_path, 512 * 1024) as fs:
+        mgr = CheckpointManager(fs / "run", keep_last=2)
+        save(mgr, 3, nbytes=64 * 1024)
+        filler = fill(fs, leave_bytes=32 * 1024)  # less than the next checkpoint needs
+        free = free_bytes(fs)
+        with pytest.raises(OSError) as e:
+            save(mgr, 6, nbytes=64 * 1024)
+        assert e.value.errno == errno.ENOSPC
+        assert not list(mgr.root.glob(".tmp-*")) and free_bytes(fs) == free
+        assert mgr.complete_steps() == [3]
+        assert (mgr.root / "latest").read_text().strip() == step_dir_name(3)
+        assert mgr.newest_intact(digests)[0].name == step_dir_name(3)
+        filler.unlink()  # the disk has room again: the next save succeeds
+        save(mgr, 6, nbytes=64 * 1024)
+        assert mgr.newest_intact(digests)[0].name == step_dir_name(6)
 
