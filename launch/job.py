@@ -82,7 +82,8 @@ def exit_status(result: dict) -> int:
     """The launcher's exit status for the outcome a finished job returned (`run_job`,
     `run_local_job`, `slurm.job.slurm_main`), by its `status`: EXIT_ABORTED when the run
     aborted on non-finite steps (after its checkpoint), EXIT_REQUEUE when it stopped with a
-    checkpoint (`stopped`, `requeue_limit`), EXIT_USAGE for a config error, else 0."""
+    checkpoint (`stopped`, `requeue_limit`), EXIT_USAGE for a config error or a run directory
+    another run holds (`busy`), else 0."""
     status = result.get("status")
     if status == "aborted":
         print(f"run aborted at step {result.get('step')}: too many non-finite steps in a row "
@@ -98,6 +99,9 @@ def exit_status(result: dict) -> int:
         return EXIT_REQUEUE
     if status == "config_error":
         print(f"config error: {result['message']}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    if status == "busy":  # another run holds the run directory (launch.rundir)
+        print(result["message"], file=sys.stderr, flush=True)
         return EXIT_USAGE
     return 0
 
@@ -136,9 +140,11 @@ def run_job(cfg: Config, resume: bool = True, force: bool = False,
             stop: StopRequest | None = None) -> dict:
     """`stop`: an already installed StopRequest (the Slurm job installs one before Ray starts so
     that an early signal is not lost); by default one is installed here."""
+    from launch.rundir import RunDirLock
     from rl.console import job_console
-    with job_console(cfg.run_dir, cfg.logging.verbose):
-        return _run_job(cfg, resume, force, stop)
+    with RunDirLock(cfg.run_dir).hold():  # one writer: before anything writes the directory
+        with job_console(cfg.run_dir, cfg.logging.verbose):
+            return _run_job(cfg, resume, force, stop)
 
 
 def _run_job(cfg: Config, resume: bool, force: bool, stop: StopRequest | None) -> dict:
@@ -170,11 +176,14 @@ def run_local_job(cfg: Config, resume: bool = True, force: bool = False) -> dict
     """`run_job` as the local launcher submits it: a stop (`Requeue`) and a config error are
     outcomes it returns (status `stopped`, `config_error`), typed for `exit_status`, instead of
     exceptions whose text submitit would hand back."""
+    from launch.rundir import RunDirBusy
     from rl.config import ConfigError
     try:
         return run_job(cfg, resume, force)
     except Requeue as e:
         return {"status": "stopped", "message": str(e), "run_dir": str(cfg.run_dir)}
+    except RunDirBusy as e:
+        return {"status": "busy", "message": str(e), "run_dir": str(cfg.run_dir)}
     except ConfigError as e:
         return {"status": "config_error", "message": str(e), "run_dir": str(cfg.run_dir)}
 

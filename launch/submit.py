@@ -5,7 +5,9 @@ machine with Ray started locally, streaming its progress; `cluster.kind: slurm` 
 plan, submits a heterogeneous Slurm job (trainer group + rollout group, `slurm.submit`) and prints
 where to watch it; with `--wait` it follows the job through its requeues instead.
 
-Before anything starts, both refuse with one line and exit status 2 (`launch.checks`): a resume
+Before anything starts, both refuse with one line and exit status 2: a run directory that
+another run holds (`launch.rundir`: a local run still running, a Slurm job pending or running for
+it; `--no-resume` too), and (`launch.checks`) a resume
 whose config differs from RUN_DIR/config.yaml in keys that matter (`--force`, `--no-resume`), a
 malformed data row (`--no-data-check` for files only the job's nodes can read), and a
 `sync.backend` the placement cannot run (NCCL between two ranks on one GPU, `ipc` across nodes).
@@ -27,7 +29,7 @@ from launch.checks import (Preflight, check_data_or_exit, check_engine_or_exit,
                            check_placement_or_exit, missing_data_files)
 from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
                            split_config_args, stream_errors, stream_output)
-from launch.rundir import archive_run_dir
+from launch.rundir import RunDirBusy, RunDirLock, archive_run_dir
 from rl.console import job_log
 
 
@@ -151,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
                         "the plan and the checks that could not run here; submit nothing")
     args = split_config_args(p.parse_args(argv))
     cfg = load_or_exit(args.config_files, args.overrides)
+    try:  # one writer per run directory (launch.rundir): refused before anything else
+        RunDirLock(cfg.run_dir).check()
+    except RunDirBusy as e:
+        fail(str(e))
     done = run_checks(cfg, args)
     from rl.data.datasets import eval_note
     if note := eval_note(cfg.data, cfg.seed):
@@ -158,8 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         from launch.dry_run import print_dry_run
         return print_dry_run(cfg, args, done)
-    if args.no_resume and (old := archive_run_dir(cfg.run_dir)) is not None:
-        print(f"--no-resume: moved the previous run to {old}; starting over", flush=True)
+    try:
+        if args.no_resume and (old := archive_run_dir(cfg.run_dir)) is not None:
+            print(f"--no-resume: moved the previous run to {old}; starting over", flush=True)
+    except RunDirBusy as e:  # taken since the check above
+        fail(str(e))
     if cfg.cluster.kind == "local":
         return run_local(cfg, args)
     try:

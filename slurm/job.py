@@ -27,9 +27,11 @@ import logging
 import socket
 import signal
 import subprocess
+import sys
 import typing as tp
 
 from launch.job import Requeue, lifecycle, run_job
+from launch.rundir import RunDirBusy, RunDirLock
 from rl.config import Config
 from rl.signals import EXIT_REQUEUE, StopRequest
 from slurm import env as slurm_env
@@ -44,14 +46,20 @@ class RequeueLimit(RuntimeError):
 
 def slurm_main(cfg: Config, resume: bool = True, force: bool = False) -> dict:
     """Runs the RL job inside the allocation; returns `run_job`'s summary dict when it finishes,
-    or the outcome {"status": "requeue_limit", "message"} when it stopped with a checkpoint but
-    may not requeue again.
+    the outcome {"status": "requeue_limit", "message"} when it stopped with a checkpoint but
+    may not requeue again, or {"status": "busy", "message"} when another run holds the run
+    directory (`launch.rundir`; nothing started).
 
     Raises:
         SystemExit(EXIT_REQUEUE) after requeueing the job, or when a signal interrupted the run
             (no result is pickled: the job comes back).
     """
     stop = StopRequest().install()
+    try:  # one writer, taken before Ray puts its token file there; held until this process ends
+        RunDirLock(cfg.run_dir).acquire()
+    except RunDirBusy as e:
+        print(e, file=sys.stderr, flush=True)
+        return {"status": "busy", "message": str(e), "run_dir": str(cfg.run_dir)}
     job_id = slurm_env.job_id() or "?"
     restarts = slurm_env.restart_count()
     print(f"Slurm job {job_id}, restart {restarts}, driver on {socket.gethostname()}; "

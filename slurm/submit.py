@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from launch.rundir import RunDirLock
 from rl.config import Config
 from slurm.executor import HetJob, HetJobExecutor
 from slurm.params import network_env
@@ -52,6 +53,7 @@ def submit_slurm(cfg: Config, args: argparse.Namespace) -> int:
     record = {"job_id": job.job_id, "submitted_at": time.time(), "folder": str(executor.folder),
               "stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)}
     (run_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    RunDirLock(run_dir).reserve(job.job_id)  # the directory is the job's while it waits, too
     print(f"submitted Slurm job {job.job_id} ({cfg.cluster.trainer.nodes} trainer + "
           f"{cfg.cluster.rollout.nodes} rollout nodes)\n"
           f"  run directory: {run_dir}\n"
