@@ -12,6 +12,9 @@ whose config differs from RUN_DIR/config.yaml in keys that matter (`--force`, `-
 malformed data row (`--no-data-check` for files only the job's nodes can read), and a
 `sync.backend` the placement cannot run (NCCL between two ranks on one GPU, `ipc` across nodes).
 
+`--resume-from STEP` resumes from an older checkpoint than the newest: the newer ones are moved
+to RUN_DIR/checkpoints/abandoned/ first (`CheckpointManager.set_aside_after`).
+
 `--dry-run` makes the same checks, then prints what would be submitted (the sbatch script, or
 what a local run starts), the plan's verdict and step estimate, and the checks it could not run
 here and why (`launch.dry_run`); it exits 0 without submitting or creating the run directory.
@@ -95,6 +98,32 @@ def run_local(cfg, args) -> int:
     return exit_status(result)
 
 
+def resume_from_or_exit(cfg, step: int, dry_run: bool = False) -> None:
+    """`--resume-from STEP`: exit 2 unless step STEP has a complete checkpoint; then (not in a
+    dry run) move the newer checkpoints aside, so that this job and every requeued life of it
+    resume from STEP and retention never mixes the two histories."""
+    from rl.checkpoint import CheckpointManager, step_dir_name
+    if not (cfg.run_dir / "checkpoints").is_dir():
+        fail(f"--resume-from {step}: {cfg.run_dir} has no checkpoints")
+    try:
+        lock = RunDirLock(cfg.run_dir).acquire(record=False)
+    except RunDirBusy as e:
+        fail(str(e))
+    try:
+        mgr = CheckpointManager(cfg.run_dir)
+        path = mgr.root / step_dir_name(step)
+        _, why = mgr.check(path) if path.is_dir() else (None, "no such checkpoint")
+        if why is not None:
+            have = ", ".join(str(s) for s in mgr.complete_steps()) or "none"
+            fail(f"--resume-from {step}: {path}: {why} (complete checkpoints: steps {have})")
+        if dry_run:
+            return
+        for moved in mgr.set_aside_after(step):
+            print(f"--resume-from {step}: moved {moved.name.split('-')[0]} to {moved}", flush=True)
+    finally:
+        lock.release()
+
+
 def run_checks(cfg, args) -> Preflight:
     """Everything that can be refused, refused here (exit 2, one line), before Ray, engines or
     an allocation; returns what ran and what could not run on this machine (for --dry-run)."""
@@ -139,8 +168,12 @@ def run_checks(cfg, args) -> Preflight:
 
 def main(argv: list[str] | None = None) -> int:
     p = config_parser(__doc__)
-    p.add_argument("--no-resume", action="store_true",
-                   help="start over: move an existing run directory aside (RUN_DIR.old-TIME)")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--no-resume", action="store_true",
+                       help="start over: move an existing run directory aside (RUN_DIR.old-TIME)")
+    start.add_argument("--resume-from", type=int, metavar="STEP",
+                       help="resume from the checkpoint of step STEP: the newer ones are moved "
+                            "to RUN_DIR/checkpoints/abandoned/ (nothing is deleted)")
     p.add_argument("--force", action="store_true", help="resume despite config differences")
     p.add_argument("--no-plan-check", action="store_true", help="skip the memory plan check")
     p.add_argument("--no-data-check", action="store_true",
@@ -158,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunDirBusy as e:
         fail(str(e))
     done = run_checks(cfg, args)
+    if args.resume_from is not None:
+        resume_from_or_exit(cfg, args.resume_from, dry_run=args.dry_run)
     from rl.data.datasets import eval_note
     if note := eval_note(cfg.data, cfg.seed):
         print(note, flush=True)

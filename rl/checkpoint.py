@@ -11,6 +11,7 @@ Layout of `RUN_DIR/checkpoints/`:
   latest                  text file naming the newest complete checkpoint (replaced atomically)
   .tmp-step_000009-*/     a write in progress (one that failed is removed at once)
   damaged/step_000012-*/  a checkpoint a resume found damaged, kept until the run passes its step
+  abandoned/step_000015-*/  newer than the step `launch.submit --resume-from` went back to; kept
 
 Write protocol: everything goes into a temporary directory; every process fsyncs and checksums
 the files it wrote (each trainer rank its shards, the driver its own and any file no rank claimed)
@@ -51,6 +52,7 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
 """2: the manifest lists every file (`files`: bytes, sha256, writer rank). 1: no file list."""
 DAMAGED = "damaged"
+ABANDONED = "abandoned"
 
 
 class NoIntactCheckpoint(ConfigError):
@@ -255,9 +257,16 @@ class CheckpointManager:
                 "run directory aside)")
         return None
 
-    def _set_aside(self, path: Path) -> Path:
+    def set_aside_after(self, step: int) -> list[Path]:
+        """Move every checkpoint newer than `step` to `abandoned/` and point `latest` at
+        `step` (`launch.submit --resume-from`); returns where they went. Nothing is deleted."""
+        moved = [self._set_aside(d, ABANDONED) for d in self.step_dirs() if _step_of(d.name) > step]
+        atomic_write_text(self.root / "latest", step_dir_name(step) + "\n")
+        return moved
+
+    def _set_aside(self, path: Path, where: str = DAMAGED) -> Path:
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        target = self.root / DAMAGED / f"{path.name}-{stamp}"
+        target = self.root / where / f"{path.name}-{stamp}"
         target.parent.mkdir(exist_ok=True)
         n = 1
         while target.exists():
@@ -265,8 +274,9 @@ class CheckpointManager:
             target = target.with_name(f"{path.name}-{stamp}-{n}")
         os.rename(path, target)
         fsync_dir(self.root)
-        log.warning("moved the damaged checkpoint %s to %s (removed once the run writes step %d "
-                    "again)", path.name, target, _step_of(path.name))
+        if where == DAMAGED:
+            log.warning("moved the damaged checkpoint %s to %s (removed once the run writes step "
+                        "%d again)", path.name, target, _step_of(path.name))
         return target
 
 

@@ -154,3 +154,18 @@ def test_a_submitted_job_holds_the_directory_while_it_waits_in_the_queue(tmp_pat
     RunDirLock(run_dir).check()  # a finished job holds nothing
     assert (run_dir / LOCK_FILE).stat().st_mode & 0o777 == 0o600
 
+
+def test_resume_from_an_older_step(tmp_path):
+    from launch.submit import resume_from_or_exit
+    from rl.checkpoint import CheckpointManager
+    from rl.config import load_config
+    cfg = load_config(LOCAL, [f"output_dir={tmp_path}", "name=run"])
+    mgr = CheckpointManager(cfg.run_dir)
+    for step in (3, 6):
+        mgr.save(step, step, "h", lambda tmp: (tmp / "driver.pt").write_text("x") and None)
+    proc = submit(tmp_path, "--resume-from", "4")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().endswith("step_000004: no such checkpoint (complete checkpoints: "
+                                        "steps 3, 6)")
+    resume_from_or_exit(cfg, 3)
+    assert mgr.complete_steps() == [3] and (mgr.root / "abandoned").is_dir()

@@ -157,3 +157,15 @@ def test_disk_full_during_a_save_leaves_the_older_checkpoints_and_frees_the_spac
         save(mgr, 6, nbytes=64 * 1024)
         assert mgr.newest_intact(digests)[0].name == step_dir_name(6)
 
+
+def test_set_aside_after_moves_the_newer_checkpoints_and_keeps_them(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    for step in (3, 6, 9):
+        save(mgr, step)
+    moved = mgr.set_aside_after(3)
+    assert sorted(d.name.split("-")[0] for d in moved) == ["step_000006", "step_000009"]
+    assert all(d.parent.name == "abandoned" and (d / MANIFEST).is_file() for d in moved)
+    assert mgr.complete_steps() == [3] and mgr.newest_intact(digests)[0].name == "step_000003"
+    assert (mgr.root / "latest").read_text().strip() == "step_000003"
+    save(mgr, 6)  # the new history; the abandoned one stays until someone deletes it
+    assert mgr.complete_steps() == [3, 6] and all(d.exists() for d in moved)
