@@ -30,6 +30,7 @@ def test_config_loads_and_fits(name):
     assert cfg.rollout.max_model_len == cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     verdict = check(cfg, name)
     assert verdict.fits, verdict.report
+    assert cfg.checkpoint.keep_last >= 2  # a damaged newest checkpoint has one to fall back to
 
 
 @pytest.mark.parametrize("name", CONFIGS)
