@@ -375,7 +375,7 @@ class Checkpointer:
         if by_rank:
             remote = self.trainer.sha256(str(path / "trainer"), by_rank)
             out.update({f"trainer/{rel}": digest for rel, digest in remote.items()})
-        log.info("verified the SHA-256 of %d files (%.2f GB) of %s in %.1fs", len(files),
+        log.info("hashed %d files (%.2f GB) of %s to check their SHA-256 in %.1fs", len(files),
                  sum(r["bytes"] for r in files.values()) / 1e9, path.name,
                  time.perf_counter() - t0)
         return out

@@ -127,7 +127,7 @@ def test_a_truncated_newest_driver_pt_falls_back_to_the_older_checkpoint(tmp_pat
     assert trainer2.loaded == [str(path / "trainer")]
     assert f"skipping checkpoint step_000006: truncated file driver.pt (100 of {size} bytes)" \
         in caplog.text
-    assert "verified the SHA-256 of 2 files" in caplog.text
+    assert "hashed 2 files (0.00 GB) of step_000003 to check their SHA-256" in caplog.text
     files = json.loads((path / MANIFEST).read_text())["files"]
     assert set(files) == {"driver.pt", "trainer/ds/shard.pt"}
     assert files["trainer/ds/shard.pt"]["rank"] == 0 and files["driver.pt"]["rank"] == "driver"

@@ -56,7 +56,7 @@ def test_zero2_resume_from_a_checkpoint_equals_uninterrupted_run(tmp_path, ray_l
     with caplog.at_level(logging.INFO, logger="rl.checkpoint"):
         result = run(resumed)
     assert f"skipping checkpoint step_000006: truncated file trainer/ds/{shard.name}" in caplog.text
-    assert "verified the SHA-256 of" in caplog.text
+    assert "of step_000003 to check their SHA-256" in caplog.text
     assert result.status == "done" and [m["step"] for m in result.history] == [4, 5, 6]
     assert_same_run(resumed.run_dir, ref.run_dir)
     assert not list((resumed.run_dir / "checkpoints" / "damaged").iterdir())  # step 6 rewritten
