@@ -206,9 +206,14 @@ class RewardConfig:
     """Form the format reward expects: the whole response a bare number (`number`, the synthetic
     task), a final `\\boxed{..}`, a final `#### answer` line, or any of these (`auto`)."""
     verify_timeout_s: float = 5.0
-    """Time limit for math-verify on one response (seconds, 0 = off); a response that takes
-    longer scores 0 and counts in `reward/failures`. Signal-based: enforced only where rewards
-    run in the main thread."""
+    """Time limit for one call of the correctness function, built-in or plugin (seconds, 0 =
+    off): past it the call's worker is killed and replaced, the sample scores 0 and counts in
+    `reward/failures`. Enforced by the reward workers only (not with num_workers 0)."""
+    num_workers: int | Literal["auto"] = "auto"
+    """Worker processes the correctness function runs in; a batch is split over them, the
+    rewards are the same for any count. `auto`: half the CPUs this process may use, 1 to 8.
+    0 = in the driver (no isolation, no time limit: for stepping through a plugin in a
+    debugger)."""
     answer_after: str | None = "auto"
     """Score only the text after the last occurrence of this marker (stripped): the correctness
     function and the format reward see that tail, the trajectory log keeps the whole response.
@@ -222,6 +227,8 @@ class RewardConfig:
         _check(builtin or ":" in self.function, "function", self.function,
                "'math', 'exact' or a dotted path 'package.module:function'")
         _non_negative(self, "format_weight", "verify_timeout_s")
+        _check(self.num_workers == "auto" or self.num_workers >= 0, "num_workers",
+               self.num_workers, "'auto' or a count >= 0")
         marker = self.answer_after
         _check(marker is None or marker.strip() != "", "answer_after", marker,
                "'auto', null or a non-blank marker such as '</think>'")

@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 RESUME_IGNORED = ("name", "output_dir", "num_steps", "eval", "logging", "checkpoint", "cluster",
                   "sync.timeout_s", "sync.bucket_mb", "sync.verify", "trainer.torch_threads",
                   "rollout.torch_threads", "rollout.cpu_kvcache_gb", "trainer.nvme_path", "sft",
-                  "plan")
+                  "plan", "reward.num_workers")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

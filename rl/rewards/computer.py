@@ -1,8 +1,10 @@
-"""Batch reward computation that a bad reward function cannot crash.
+"""Batch reward computation that a bad reward function cannot crash or stall.
 
-total = correctness + format_weight * format, per sample. A correctness function that raises or
-returns a non-number / non-finite value gives that sample a total reward of 0; the failure is
-counted in `failures` and the first few messages are kept in `errors` for logging.
+total = correctness + format_weight * format, per sample. The correctness function runs in
+reward worker processes (`rl.rewards.pool`; `reward.num_workers`, 0 = in the driver). A call
+that raises (`sys.exit` included), returns a non-number / non-finite value, runs past
+`reward.verify_timeout_s` or takes its worker down gives that sample a total reward of 0; the
+failure is counted in `failures` and the first few messages are kept in `errors` for logging.
 
 With `reward.answer_after` set (DeepSeek-V4's `</think>`), both parts score only the answer, the
 text after the last marker; a response without the marker scores 0 without calling the
@@ -11,31 +13,20 @@ reasoning, and no number picked out of the reasoning).
 """
 from __future__ import annotations
 
-import functools
 import logging
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Callable
 
 from rl.config import RewardConfig
 from rl.data.example import Example
-from rl.rewards.plugin import RewardFn, load_reward_function
-from rl.rewards.verifiers import exact_reward, format_reward, math_reward
+from rl.rewards.plugin import resolve_reward_function, reward_value
+from rl.rewards.pool import Outcome, RewardPool, auto_workers
+from rl.rewards.verifiers import format_reward
 from rl.signals import StepAbandoned
 
 log = logging.getLogger(__name__)
 
 MAX_ERRORS_KEPT = 5
-
-
-def resolve_reward_function(cfg: RewardConfig) -> RewardFn:
-    """The correctness function named by `cfg.function` (`math`, `exact` or a dotted path)."""
-    if cfg.function == "math":
-        return functools.partial(math_reward, timeout_s=cfg.verify_timeout_s)
-    if cfg.function == "exact":
-        return exact_reward
-    return load_reward_function(cfg.function)
 
 
 def answer_part(response: str, marker: str | None) -> str | None:
@@ -62,19 +53,49 @@ class RewardBreakdown:
 
 
 class RewardComputer:
-    """Scores responses against their examples; see the module docstring for the rules."""
+    """Scores responses against their examples; see the module docstring for the rules.
 
-    def __init__(self, cfg: RewardConfig):
+    Owns its worker pool unless given one (`pool`, shared with the evaluation's computer);
+    `close` ends the workers (a with-block does)."""
+
+    def __init__(self, cfg: RewardConfig, *, pool: RewardPool | None = None):
+        """Raises ConfigError when a plugin cannot be imported."""
         if cfg.answer_after == "auto":
             raise ValueError("reward.answer_after: got 'auto', which `Config` resolves from "
                              "data.prompt_format; a RewardConfig built alone needs null or a "
                              "marker")
         self.cfg = cfg
-        self.fn = resolve_reward_function(cfg)  # fails fast on a bad dotted path
         self.failures = 0
         """Samples whose reward function failed, over this object's lifetime."""
         self.errors: list[str] = []
         """The first MAX_ERRORS_KEPT failure messages."""
+        self.fn = None
+        self.pool = pool
+        self._owns_pool = pool is None and cfg.num_workers != 0
+        if cfg.num_workers == 0:
+            if cfg.verify_timeout_s > 0:
+                log.warning("reward.num_workers is 0: %r runs in the driver, where "
+                            "reward.verify_timeout_s is not enforced and a call that hangs or "
+                            "exits the process stops the run", cfg.function)
+            self.fn = resolve_reward_function(cfg.function)  # fails fast on a bad dotted path
+            self.pool = None
+        elif pool is not None and pool.function != cfg.function:
+            raise ValueError(f"RewardComputer: the pool runs {pool.function!r}, the config "
+                             f"names {cfg.function!r}")
+        elif pool is None:
+            workers = auto_workers() if cfg.num_workers == "auto" else cfg.num_workers
+            self.pool = RewardPool(cfg.function, workers, cfg.verify_timeout_s)
+
+    def close(self) -> None:
+        """End the worker pool, if this computer started it (idempotent)."""
+        if self._owns_pool:
+            self.pool.close()
+
+    def __enter__(self) -> "RewardComputer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def state_dict(self) -> dict:
         """The failure count, carried across resumes (`reward/failures` counts the whole run)."""
@@ -83,52 +104,55 @@ class RewardComputer:
     def load_state_dict(self, state: dict) -> None:
         self.failures = state["reward_failures_before"]
 
-    def _correctness(self, i: int, response: str, example: Example) -> float | None:
-        try:
-            value = self.fn(response, example.answer, example.meta)
-            if not isinstance(value, numbers.Real):
-                raise TypeError(f"returned {value!r} ({type(value).__name__}), "
-                                "expected a finite number")
-            value = float(value)
-            if not math.isfinite(value):
-                raise ValueError(f"returned {value}, expected a finite number")
-            return value
-        except Exception as e:  # a user plugin may raise anything; it must not end the run
-            self.failures += 1
-            message = (f"reward.function {self.cfg.function!r} failed on sample {i} "
-                       f"(answer {example.answer!r}): {type(e).__name__}: {e}")[:300]
-            if len(self.errors) < MAX_ERRORS_KEPT:
-                self.errors.append(message)
-                log.warning("%s", message)
-            return None
-
     def score(self, responses: list[str], examples: list[Example],
               cancelled: Callable[[], bool] | None = None) -> RewardBreakdown:
         """Rewards for `responses[i]` against `examples[i]` (equal lengths).
 
-        `cancelled`: checked before each sample; when it returns True, scoring stops with
+        `cancelled`: polled while scoring; when it returns True, scoring stops with
         StepAbandoned (a stop request must not wait for a slow reward function)."""
         if len(responses) != len(examples):
             raise ValueError(f"RewardComputer: {len(responses)} responses but "
                              f"{len(examples)} examples; expected one example per response")
+        answers = [answer_part(r, self.cfg.answer_after) for r in responses]
+        called = [i for i, a in enumerate(answers) if a is not None]
+        outcomes = dict(zip(called, self._correctness(
+            [(answers[i], examples[i].answer, examples[i].meta) for i in called], cancelled)))
         out = RewardBreakdown(total=[], correctness=[], format=[], failed=[], unclosed=[])
-        for i, (response, example) in enumerate(zip(responses, examples)):
-            if cancelled is not None and cancelled():
-                raise StepAbandoned(f"stop requested while scoring ({i} of {len(responses)} done)")
-            answer = answer_part(response, self.cfg.answer_after)
-            if answer is None:
-                correct, fmt = 0.0, 0.0
-            else:
-                correct = self._correctness(i, answer, example)
-                fmt = format_reward(answer, self.cfg.response_format)
-            failed = correct is None
-            out.correctness.append(0.0 if failed else correct)
+        for i, (answer, example) in enumerate(zip(answers, examples)):
+            ok, value = outcomes.get(i, (True, 0.0))  # no answer: 0, not a failure
+            if not ok:
+                self._record_failure(i, example, value)
+            fmt = 0.0 if answer is None else format_reward(answer, self.cfg.response_format)
+            out.correctness.append(value if ok else 0.0)
             out.format.append(fmt)
-            out.failed.append(failed)
+            out.failed.append(not ok)
             out.unclosed.append(answer is None)
-            out.total.append(0.0 if failed else correct + self.cfg.format_weight * fmt)
+            out.total.append(value + self.cfg.format_weight * fmt if ok else 0.0)
         return out
 
     def __call__(self, responses: list[str], examples: list[Example]) -> list[float]:
         """Total reward per response (see `score` for the parts)."""
         return self.score(responses, examples).total
+
+    def _correctness(self, calls: list[tuple[str, str, dict]],
+                     cancelled: Callable[[], bool] | None) -> list[Outcome]:
+        if self.pool is not None:
+            return self.pool.map(calls, cancelled)
+        out = []
+        for done, call in enumerate(calls):
+            if cancelled is not None and cancelled():
+                raise StepAbandoned(f"stop requested while scoring ({done} of {len(calls)} "
+                                    f"calls done)")
+            try:
+                out.append((True, reward_value(self.fn(*call))))
+            except (Exception, SystemExit) as e:  # a plugin may raise anything
+                out.append((False, f"{type(e).__name__}: {e}"))
+        return out
+
+    def _record_failure(self, i: int, example: Example, message: str) -> None:
+        self.failures += 1
+        if len(self.errors) < MAX_ERRORS_KEPT:
+            message = (f"reward.function {self.cfg.function!r} failed on sample {i} "
+                       f"(answer {example.answer!r}): {message}")[:300]
+            self.errors.append(message)
+            log.warning("%s", message)

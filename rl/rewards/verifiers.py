@@ -6,12 +6,8 @@ with `reward.answer_after`), `answer` the reference answer as extracted by `rl.d
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 import re
-import signal
-import threading
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from rl.data.answers import extract_answer, find_boxed, find_gsm8k
 
@@ -22,58 +18,14 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 _CLEAN_TAIL = re.compile(r"[\s$.\\\])]*")
 """What may follow a final `\\boxed{..}`: whitespace and closing delimiters (`$`, `.`, `\\]`)."""
 
-log = logging.getLogger(__name__)
-_UNGUARDED_WARNED = False
 
-
-class _Deadline(BaseException):
-    """Raised by our SIGALRM handler; a BaseException so that math-verify's and sympy's
-    `except Exception` cannot swallow it on its way out."""
-
-
-@contextlib.contextmanager
-def _time_limit(timeout_s: float) -> Iterator[None]:
-    """Raise TimeoutError when the block runs longer than `timeout_s` (0 = no limit).
-
-    SIGALRM may only be set from the main thread; elsewhere (threads, threaded Ray actors) the
-    block runs unguarded, with one warning per process.
-    """
-    global _UNGUARDED_WARNED
-    if timeout_s <= 0:
-        yield
-        return
-    if threading.current_thread() is not threading.main_thread():
-        if not _UNGUARDED_WARNED:
-            _UNGUARDED_WARNED = True
-            log.warning("math-verify runs outside the main thread: reward.verify_timeout_s "
-                        "cannot be enforced there (it is signal-based)")
-        yield
-        return
-
-    def on_alarm(signum, frame):
-        raise _Deadline
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    try:
-        try:
-            signal.setitimer(signal.ITIMER_REAL, timeout_s)
-            yield
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-    except _Deadline:
-        # A timeout is a failed reward, not a wrong answer: RewardComputer counts it.
-        raise TimeoutError(f"math-verify took longer than {timeout_s:g}s") from None
-    finally:
-        signal.signal(signal.SIGALRM, previous)
-
-
-
-def math_equal(response: str, answer: str, timeout_s: float = 5) -> bool:
+def math_equal(response: str, answer: str) -> bool:
     """Whether `response` states an answer mathematically equal to `answer` (`0.5`, `1/2` and
     `\\frac{1}{2}` agree). Integers on both sides take a fast path; everything else goes through
     math-verify, which finds the answer in free text (`\\boxed{..}`, `$..$`, a final number).
 
-    `timeout_s` bounds the whole check in the main thread (0 = off); past it, TimeoutError.
+    No time limit of its own: some inputs (`\\boxed{9^{9^{9}}}`) make sympy run for minutes, and
+    the reward workers bound every call (`reward.verify_timeout_s`, `rl.rewards.pool`).
     Raises ValueError when the reference answer itself cannot be parsed.
     """
     r, a = response.strip(), answer.strip()
@@ -81,23 +33,22 @@ def math_equal(response: str, answer: str, timeout_s: float = 5) -> bool:
         return int(a) == int(r)
     from math_verify import grader, parse, parser, verify  # slow import (sympy): math rewards only
 
-    # math-verify's own timeouts catch their alarm and return "not equal", which would hide the
-    # timeout; we bound the time ourselves, so silence its warning that its timeouts are off.
+    # math-verify's own timeouts (SIGALRM, main thread only) catch their alarm and return "not
+    # equal", which would score a slow right answer as wrong; they stay off (None), and we
+    # silence its warning that they are off.
     parser.TIMEOUT_WARNING_SHOWN = grader.TIMEOUT_WARNING_SHOWN = True
     # A bare reference (`\sqrt{2}`, `x^2+1`) is only recognised as LaTeX inside math delimiters.
     gold_text = a if ("$" in a or "\\boxed" in a) else f"${a}$"
-    with _time_limit(timeout_s):
-        gold = parse(gold_text, parsing_timeout=None)
-        if not gold:
-            raise ValueError(f"math-verify cannot parse the reference answer {answer!r}")
-        pred = parse(response, parsing_timeout=None)
-        return bool(pred) and verify(gold, pred, timeout_seconds=None)
+    gold = parse(gold_text, parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the reference answer {answer!r}")
+    pred = parse(response, parsing_timeout=None)
+    return bool(pred) and verify(gold, pred, timeout_seconds=None)
 
 
-def math_reward(response: str, answer: str, meta: dict[str, Any] | None = None, *,
-                timeout_s: float = 5) -> float:
-    """1.0 when `math_equal(response, answer)`, else 0.0; raises TimeoutError past `timeout_s`."""
-    return float(math_equal(response, answer, timeout_s))
+def math_reward(response: str, answer: str, meta: dict[str, Any] | None = None) -> float:
+    """1.0 when `math_equal(response, answer)`, else 0.0."""
+    return float(math_equal(response, answer))
 
 
 def _normalise(text: str) -> str:

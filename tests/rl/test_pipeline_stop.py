@@ -136,7 +136,7 @@ def test_after_training_a_stop_keeps_finished_batches_and_drops_the_rest_within_
 def test_reward_scoring_stops_when_cancelled():
     rewards = RewardComputer(RewardConfig(function="exact", answer_after=None))
     examples = [Example(prompt="q", answer="7")] * 3
-    calls = iter([False, False, True])
-    with pytest.raises(StepAbandoned, match="2 of 3"):
+    calls = iter([False, False, True])  # polled while the workers score (and start)
+    with pytest.raises(StepAbandoned, match=r"stop requested while scoring \([0-2] of 3"):
         rewards.score(["7", "7", "7"], examples, cancelled=lambda: next(calls))
     assert rewards.score(["7", "8"], examples[:2]).total == [1.0, 0.0]

@@ -16,14 +16,23 @@ def raises_sometimes(response: str, answer: str, meta: dict) -> float:
     return 0.0
 
 
-SLOW_REWARD_CALLS = []
-"""One entry per call of `slow_short_answer` (the test reads where the run is)."""
+def slow_reward_calls() -> int:
+    """How many calls of `slow_short_answer` have started, in any reward worker (one line each in
+    the file RL_TEST_REWARD_CALLS names)."""
+    import os
+    path = os.environ["RL_TEST_REWARD_CALLS"]
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for _ in f)
 
 
 def slow_short_answer(response: str, answer: str, meta: dict) -> float:
-    """`short_answer`, taking RL_TEST_REWARD_SLEEP_S seconds per sample (a slow verifier)."""
+    """`short_answer`, taking RL_TEST_REWARD_SLEEP_S seconds per sample (a slow verifier); each
+    call appends a line to RL_TEST_REWARD_CALLS (the test reads where the run is)."""
     import os
     import time
-    SLOW_REWARD_CALLS.append(time.monotonic())
+    with open(os.environ["RL_TEST_REWARD_CALLS"], "a") as f:
+        f.write(f"{time.monotonic()}\n")
     time.sleep(float(os.environ.get("RL_TEST_REWARD_SLEEP_S", "0")))
     return short_answer(response, answer, meta)

@@ -33,13 +33,14 @@ def test_stop_during_a_slow_reward_checkpoints_within_the_grace_period(tmp_path,
     from rl.signals import StopRequest
     grace = 8.0
     monkeypatch.setenv("RL_TEST_REWARD_SLEEP_S", "0.3")  # ~19 s of scoring per step
+    monkeypatch.setenv("RL_TEST_REWARD_CALLS", str(tmp_path / "reward_calls"))
     cfg = make_cfg(tmp_path, "grace", *FAST, "num_steps=4", f"checkpoint.grace_period_s={grace}",
-                   "reward.function=tests.rl.loop.plugins:slow_short_answer")
-    plugins.SLOW_REWARD_CALLS.clear()
+                   "reward.function=tests.rl.loop.plugins:slow_short_answer",
+                   "reward.num_workers=1")  # one call at a time, as the sleep assumes
     sent = {}
 
     def signal_during_step_2_scoring():
-        wait_for(lambda: len(plugins.SLOW_REWARD_CALLS) >= SAMPLES_PER_STEP + 5, 900,
+        wait_for(lambda: plugins.slow_reward_calls() >= SAMPLES_PER_STEP + 5, 900,
                  "step 2's reward scoring")
         sent["at"] = time.time()
         os.kill(os.getpid(), signal.SIGUSR1)
@@ -57,7 +58,7 @@ def test_stop_during_a_slow_reward_checkpoints_within_the_grace_period(tmp_path,
     assert latest.read_text().strip() == "step_000001"
     landed = latest.stat().st_mtime - sent["at"]
     assert 0 < landed < grace, f"checkpoint landed {landed:.1f}s after the signal"
-    assert len(plugins.SLOW_REWARD_CALLS) < 2 * SAMPLES_PER_STEP  # scoring was cut short
+    assert plugins.slow_reward_calls() < 2 * SAMPLES_PER_STEP  # scoring was cut short
     # The abandoned step left no trace: the sampler is where step 1 left it (the resumed run
     # draws step 2's prompts again), and only step 1 was logged.
     saved = torch.load(cfg.run_dir / "checkpoints" / "step_000001" / "driver.pt", weights_only=False)

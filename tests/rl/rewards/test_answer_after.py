@@ -1,6 +1,7 @@
 """reward.answer_after: only the answer after the reasoning is scored (DeepSeek-V4's `</think>`),
 a response whose reasoning never closed scores 0 and is counted, and `auto` follows the prompt
 format."""
+import json
 from pathlib import Path
 
 import pytest
@@ -22,15 +23,23 @@ def importable_tests(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
 
 
-def thinking(**kwargs) -> RewardComputer:
-    return RewardComputer(RewardConfig(answer_after=THINK_END, **kwargs))
+@pytest.fixture
+def thinking(shared_pool):
+    """`thinking(function=..., **reward_config)`: a computer scoring after `</think>`, on the
+    session's workers for that function."""
+    return lambda **kwargs: RewardComputer(RewardConfig(answer_after=THINK_END, **kwargs),
+                                           pool=shared_pool(kwargs["function"]))
+
+
+def seen_responses(path: Path) -> list[str]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def examples(*answers, **meta):
     return [Example(prompt=f"p{i}", answer=a, meta=dict(meta)) for i, a in enumerate(answers)]
 
 
-def test_math_scores_only_the_text_after_the_last_marker():
+def test_math_scores_only_the_text_after_the_last_marker(thinking):
     responses = [
         # Scored whole, math-verify takes the boxed 42 of the reasoning and calls this right.
         "Maybe \\boxed{42}? Check again.</think>The answer is 41.",
@@ -43,7 +52,7 @@ def test_math_scores_only_the_text_after_the_last_marker():
     assert thinking(function="exact")(["41</think>41</think>42"], examples("42")) == [1.0]
 
 
-def test_unclosed_reasoning_scores_zero_and_is_counted_not_failed():
+def test_unclosed_reasoning_scores_zero_and_is_counted_not_failed(thinking):
     computer = thinking(function="math", format_weight=1.0)
     parts = computer.score(["So the answer is \\boxed{42}", "x</think>\\boxed{42}"],
                            examples("42", "42"))
@@ -58,7 +67,7 @@ def test_unclosed_reasoning_scores_zero_and_is_counted_not_failed():
     assert metrics["reward/unclosed_thinking_frac"] == 0.5
 
 
-def test_format_reward_judges_the_stripped_answer():
+def test_format_reward_judges_the_stripped_answer(thinking):
     computer = thinking(function="exact", format_weight=1.0, response_format="number")
     parts = computer.score(["3 + 4 is 7, check: 7 - 4 = 3 </think>  7\n", "7</think> so 7"],
                            examples("7", "7"))
@@ -66,21 +75,23 @@ def test_format_reward_judges_the_stripped_answer():
     assert parts.correctness == [1.0, 0.0]
 
 
-def test_a_plugin_receives_the_answer_only_and_is_not_called_without_it():
-    seen: list[str] = []
+def test_a_plugin_receives_the_answer_only_and_is_not_called_without_it(thinking, tmp_path):
+    seen = tmp_path / "seen.jsonl"
     computer = thinking(function=f"{PLUGINS}:records_response")
     parts = computer.score(["12 or 13?</think>\n 42 \n", "still thinking about 42"],
-                           examples("42", "42", seen=seen))
-    assert seen == ["42"]
+                           examples("42", "42", seen=str(seen)))
+    assert seen_responses(seen) == ["42"]
     assert parts.correctness == [1.0, 0.0]
 
 
-def test_null_scores_the_whole_response():
-    seen: list[str] = []
-    computer = RewardComputer(RewardConfig(answer_after=None,
-                                           function=f"{PLUGINS}:records_response"))
-    parts = computer.score(["12</think> 42", "42"], examples("42", "42", seen=seen))
-    assert seen == ["12</think> 42", "42"] and parts.unclosed == [False, False]
+def test_null_scores_the_whole_response(shared_pool, tmp_path):
+    seen = tmp_path / "seen.jsonl"
+    function = f"{PLUGINS}:records_response"
+    computer = RewardComputer(RewardConfig(answer_after=None, function=function),
+                              pool=shared_pool(function))
+    parts = computer.score(["12</think> 42", "42"], examples("42", "42", seen=str(seen)))
+    assert sorted(seen_responses(seen)) == ["12</think> 42", "42"]
+    assert parts.unclosed == [False, False]
 
 
 @pytest.mark.parametrize("overrides, expected", [

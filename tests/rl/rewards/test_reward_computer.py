@@ -1,5 +1,7 @@
 """RewardComputer: totals, format weight, plugins by dotted path, failures counted not fatal."""
 import math
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,12 +25,21 @@ def bare(**kwargs) -> RewardConfig:
     return RewardConfig(answer_after=None, **kwargs)
 
 
+@pytest.fixture
+def computer(shared_pool):
+    """`computer(function=..., **reward_config)`: a RewardComputer on the session's workers."""
+    def make(**kwargs) -> RewardComputer:
+        kwargs.setdefault("function", "math")
+        return RewardComputer(bare(**kwargs), pool=shared_pool(kwargs["function"]))
+    return make
+
+
 def examples(*answers, **meta):
     return [Example(prompt=f"p{i}", answer=a, meta=dict(meta)) for i, a in enumerate(answers)]
 
 
-def test_math_total_is_correctness_plus_weighted_format():
-    computer = RewardComputer(bare(function="math", format_weight=0.5))
+def test_math_total_is_correctness_plus_weighted_format(computer):
+    computer = computer(function="math", format_weight=0.5)
     responses = ["42", "\\boxed{\\frac{1}{2}} because", "41", "$0.5$"]
     parts = computer.score(responses, examples("42", "0.5", "42", "1/2"))
     assert parts.correctness == [1.0, 1.0, 0.0, 1.0]
@@ -38,13 +49,13 @@ def test_math_total_is_correctness_plus_weighted_format():
     assert computer.failures == 0
 
 
-def test_exact_and_response_format():
-    computer = RewardComputer(bare(function="exact", format_weight=1.0, response_format="boxed"))
+def test_exact_and_response_format(computer):
+    computer = computer(function="exact", format_weight=1.0, response_format="boxed")
     assert computer(["\\boxed{x+1}", "x+1"], examples("x+1", "x+1")) == [2.0, 1.0]
 
 
-def test_user_plugin_receives_meta():
-    computer = RewardComputer(bare(function=f"{PLUGINS}:length_match"))
+def test_user_plugin_receives_meta(computer):
+    computer = computer(function=f"{PLUGINS}:length_match")
     assert computer(["12", "123"], examples("42", "42", scale=2.0)) == [2.0, 0.0]
 
 
@@ -53,8 +64,8 @@ def test_user_plugin_receives_meta():
     ("not_finite", "ValueError: returned nan, expected a finite number"),
     ("not_a_number", "TypeError: returned '1.0' (str), expected a finite number"),
 ])
-def test_failing_plugin_is_counted_not_fatal(name, error):
-    computer = RewardComputer(bare(function=f"{PLUGINS}:{name}", format_weight=1.0))
+def test_failing_plugin_is_counted_not_fatal(computer, name, error):
+    computer = computer(function=f"{PLUGINS}:{name}", format_weight=1.0)
     parts = computer.score(["boom", "7"], examples("7", "7"))
     assert parts.failed[0] and parts.total[0] == 0.0  # a failure also drops the format reward
     assert computer.failures == (2 if name != "raising" else 1)
@@ -65,26 +76,40 @@ def test_failing_plugin_is_counted_not_fatal(name, error):
     assert all(math.isfinite(x) for x in parts.total)
 
 
-def test_error_messages_are_capped_but_failures_keep_counting():
-    computer = RewardComputer(bare(function=f"{PLUGINS}:not_finite"))
+def test_error_messages_are_capped_but_failures_keep_counting(computer):
+    computer = computer(function=f"{PLUGINS}:not_finite")
     for _ in range(3):
         computer(["1"] * 4, examples(*["1"] * 4))
     assert computer.failures == 12 and len(computer.errors) == 5
 
 
-def test_unparseable_reference_in_math_is_a_counted_failure():
-    computer = RewardComputer(bare(function="math"))
+def test_unparseable_reference_in_math_is_a_counted_failure(computer):
+    computer = computer(function="math")
     assert computer(["1.5", "1.5"], examples("$$", "3/2")) == [0.0, 1.0]
     assert computer.failures == 1 and "cannot parse the reference answer" in computer.errors[0]
 
 
+# 9^(9^9) makes sympy stall for minutes: a real input that only the time limit ends.
+PATHOLOGICAL = "\\boxed{9^{9^{9}}}"
 
-def test_math_verify_timeout_is_a_counted_failure():
-    computer = RewardComputer(bare(function="math", verify_timeout_s=0.2))
-    parts = computer.score(["\\boxed{9^{9^{9}}}", "$\\frac{3}{7}$"], examples("3/7", "3/7"))
-    assert parts.failed == [True, False] and parts.total == [0.0, 1.0]
-    assert computer.failures == 1
-    assert "TimeoutError: math-verify took longer than 0.2s" in computer.errors[0]
+
+def test_math_verify_timeout_is_a_counted_failure_in_any_thread():
+    with RewardComputer(bare(function="math", verify_timeout_s=2.0, num_workers=2)) as computer:
+        start = time.monotonic()
+        parts = computer.score([PATHOLOGICAL, "$\\frac{3}{7}$"], examples("3/7", "3/7"))
+        assert time.monotonic() - start < 10
+        assert parts.failed == [True, False] and parts.total == [0.0, 1.0]
+        assert computer.failures == 1
+        assert "TimeoutError: no result within reward.verify_timeout_s=2s" in computer.errors[0]
+        # The same off the main thread, where the SIGALRM limit it replaces could not reach.
+        result = []
+        thread = threading.Thread(target=lambda: result.append(
+            computer.score([PATHOLOGICAL], examples("3/7")).failed))
+        thread.start()
+        thread.join(timeout=30)
+        assert result == [[True]]
+
+
 
 @pytest.mark.parametrize("path, message", [
     ("no_such_pkg_xyz.mod:fn", r"reward\.function: got 'no_such_pkg_xyz\.mod:fn', cannot import "
@@ -98,7 +123,7 @@ def test_bad_dotted_path_is_a_config_error(path, message):
     with pytest.raises(ConfigError, match=message):
         load_reward_function(path)
     with pytest.raises(ConfigError, match=message):
-        RewardComputer(bare(function=path))
+        RewardComputer(bare(function=path, num_workers=1))  # the error comes from the worker
 
 
 def test_config_rejects_a_function_without_colon():
@@ -108,4 +133,4 @@ def test_config_rejects_a_function_without_colon():
 
 def test_length_mismatch_is_an_error():
     with pytest.raises(ValueError, match="2 responses but 1 examples"):
-        RewardComputer(bare())(["1", "2"], examples("1"))
+        RewardComputer(bare(num_workers=0))(["1", "2"], examples("1"))

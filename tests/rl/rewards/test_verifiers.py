@@ -1,6 +1,5 @@
 """Built-in rewards: math equivalence through math-verify, exact match, format."""
 import threading
-import time
 
 import pytest
 
@@ -49,21 +48,6 @@ def test_math_reward_works_off_the_main_thread():
     thread.start()
     thread.join(timeout=30)
     assert results == [1.0]
-
-
-# 9^(9^9) makes sympy stall for minutes: a real input that only the time limit ends.
-PATHOLOGICAL = "\\boxed{9^{9^{9}}}"
-
-
-def test_pathological_response_times_out_in_main_thread():
-    assert threading.current_thread() is threading.main_thread()
-    start = time.monotonic()
-    with pytest.raises(TimeoutError, match="math-verify took longer than 0.2s"):
-        math_reward(PATHOLOGICAL, "3/7", {}, timeout_s=0.2)
-    assert time.monotonic() - start < 2.0
-    # The limit is lifted afterwards: no stray alarm, the next check runs normally.
-    assert math_reward("$\\frac{1}{2}$", "0.5", {}, timeout_s=0.2) == 1.0
-    time.sleep(0.3)  # a timer left armed would fire here and kill the process
 
 
 def test_exact_reward_normalises_whitespace_and_extracts():

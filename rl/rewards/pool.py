@@ -1,0 +1,269 @@
+"""Reward worker processes: correctness calls run outside the driver, in parallel, time-limited.
+
+A call that hangs past `reward.verify_timeout_s`, crashes its process (a segfault, `os._exit`),
+calls `sys.exit` or raises is one failed sample: the worker is killed and replaced when it hung
+or died, and the batch goes on over the other workers. While it waits, `map` polls `cancelled`
+every POLL_S, so a stop request never waits for a reward function.
+
+Workers are fresh interpreters (`python -m rl.rewards.worker`), started once and reused, not
+forked from the driver: the driver holds threads (Ray's, torch's intra-op pool, logging) whose
+locks a fork copies in whatever state they are, so a forked child can deadlock on one, and
+possibly a CUDA context; multiprocessing's `spawn` and `forkserver` would re-import the driver's
+`__main__` (submitit's entry point, and torch with it) in every worker. A fresh interpreter
+imports only the rewards code and the plugin (about 0.3 s; `math` adds math-verify's warm-up,
+2-3 s, before the worker takes calls).
+
+Messages on a worker's socket (pickled by `multiprocessing.connection`):
+driver -> worker: the init dict, then `(tag, response, answer, meta)` per call;
+worker -> driver: `("imported",)`, `("ready",)`, `("config_error", message)`,
+`("result", tag, ok, value_or_message)`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Callable
+
+from rl.config import ConfigError
+from rl.signals import StepAbandoned
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+"""How often a waiting `map` checks `cancelled` (and the deadlines)."""
+START_TIMEOUT_S = 300.0
+"""A worker that has not imported and warmed its function by then is a fault (not a sample's)."""
+MAX_START_FAILURES = 3
+"""Workers dying in a row before they are ready: the pool gives up (RuntimeError)."""
+BUILTIN = ("math", "exact")
+Outcome = tuple[bool, Any]
+"""(True, reward) or (False, "ErrorType: message")."""
+
+
+def auto_workers() -> int:
+    """`reward.num_workers: auto`: half the CPUs this process may use, 1 to 8 (the driver
+    shares its node with the engines' and trainers' own CPU work)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 2
+    return max(1, min(8, cpus // 2))
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "is unresponsive"
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+@dataclass(slots=True)
+class _Worker:
+    proc: subprocess.Popen
+    conn: Connection
+    state: str = "starting"
+    """`starting` (importing the function), `warming`, `idle` or `busy`."""
+    tag: tuple[int, int] | None = None
+    """(batch, index) of the call in progress."""
+    deadline: float = float("inf")
+    started: float = 0.0
+
+
+class RewardPool:
+    """`num_workers` worker processes running the correctness function `function` (`math`,
+    `exact` or a dotted path); `map` scores a batch over them."""
+
+    def __init__(self, function: str, num_workers: int, timeout_s: float):
+        """`timeout_s`: per call (0 = none). Raises ConfigError when a plugin cannot be
+        imported."""
+        if num_workers < 1:
+            raise ValueError(f"RewardPool: num_workers {num_workers}, expected >= 1")
+        self.function, self.timeout_s = function, timeout_s
+        self.restarts = 0
+        """Workers killed and replaced (a call hung or crashed its worker), over the pool's life."""
+        self._init = {"function": function, "sys_path": list(sys.path), "timeout_s": timeout_s}
+        self._workers: list[_Worker] = []
+        self._batch = 0
+        self._start_failures = 0
+        # Killed with the pool, or at exit when nobody closed it (and a worker exits by itself
+        # when the driver's process is gone: rl.rewards.worker).
+        self._finalizer = weakref.finalize(self, _kill_all, self._workers)
+        try:
+            for _ in range(num_workers):
+                self._workers.append(self._spawn())
+            if function not in BUILTIN:  # a plugin that cannot import is a config error now
+                self._await(lambda w: w.state != "starting", "import the reward function")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
+
+    def map(self, calls: list[tuple[str, str, dict]],
+            cancelled: Callable[[], bool] | None = None) -> list[Outcome]:
+        """One outcome per `(response, answer, meta)`, in order; the values do not depend on
+        the number of workers. Raises StepAbandoned as soon as `cancelled()` is true (calls in
+        flight finish or time out in the background; their results are dropped)."""
+        self._batch += 1
+        batch, out = self._batch, [None] * len(calls)
+        todo, left = deque(range(len(calls))), len(calls)
+        while left:
+            if cancelled is not None and cancelled():
+                raise StepAbandoned(f"stop requested while scoring "
+                                    f"({len(calls) - left} of {len(calls)} done)")
+            for w in self._workers:
+                if todo and w.state == "idle":
+                    i = todo.popleft()
+                    if not self._send(w, (batch, i), calls[i]):
+                        todo.appendleft(i)  # it never ran: another worker takes it
+            now = time.monotonic()
+            next_deadline = min((w.deadline for w in self._workers), default=now + POLL_S)
+            ready = wait([w.conn for w in self._workers],
+                         timeout=max(0.0, min(POLL_S, next_deadline - now)))
+            for w in [w for w in self._workers if w.conn in ready]:
+                done = self._receive(w)
+                if done is not None and done[0][0] == batch:
+                    (_, i), outcome = done
+                    out[i], left = outcome, left - 1
+            now = time.monotonic()
+            for w in [w for w in self._workers if w.state == "busy" and w.deadline < now]:
+                tag = w.tag
+                self._replace(w, "hung")
+                if tag[0] == batch:
+                    out[tag[1]] = (False, f"TimeoutError: no result within "
+                                          f"reward.verify_timeout_s={self.timeout_s:g}s (worker "
+                                          f"killed and replaced)")
+                    left -= 1
+            self._check_starting(now)
+        return out
+
+    def close(self) -> None:
+        """Kill the workers (idempotent)."""
+        self._finalizer()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _spawn(self) -> _Worker:
+        import rl
+        parent, child = socket.socketpair()
+        root = str(Path(rl.__file__).resolve().parents[1])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        try:
+            # Its own session: a terminal's Ctrl-C is for the driver, and killing the worker's
+            # process group also ends what a plugin started.
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rl.rewards.worker", str(child.fileno()), str(os.getpid())],
+                pass_fds=[child.fileno()], env=env, start_new_session=True)
+        finally:
+            child.close()
+        conn = Connection(parent.detach())
+        conn.send(self._init)
+        return _Worker(proc, conn, started=time.monotonic())
+
+    def _send(self, w: _Worker, tag: tuple[int, int], call: tuple) -> bool:
+        try:
+            w.conn.send((tag, *call))
+        except OSError:
+            self._replace(w, "died")
+            return False
+        w.state, w.tag = "busy", tag
+        w.deadline = time.monotonic() + self.timeout_s if self.timeout_s > 0 else float("inf")
+        return True
+
+    def _receive(self, w: _Worker) -> tuple[tuple[int, int], Outcome] | None:
+        """Handle one message of `w`; ((batch, index), outcome) when it finished a call."""
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            tag = w.tag
+            code = self._replace(w, "died")
+            if tag is None:
+                return None
+            return tag, (False, f"WorkerDied: the reward worker {describe_exit(code)} during "
+                                f"the call (replaced)")
+        kind = msg[0]
+        if kind == "result":
+            _, tag, ok, value = msg
+            w.state, w.tag, w.deadline = "idle", None, float("inf")
+            return tag, (ok, value)
+        if kind == "imported":
+            w.state = "warming"
+        elif kind == "ready":
+            w.state, self._start_failures = "idle", 0
+        elif kind == "config_error":
+            raise ConfigError(msg[1])
+        return None
+
+    def _replace(self, w: _Worker, why: str) -> int | None:
+        """Kill `w` (and its process group), start a new worker in its place; its exit code."""
+        code = _kill(w)
+        if w.state in ("starting", "warming"):
+            self._start_failures += 1
+            if self._start_failures >= MAX_START_FAILURES:
+                raise RuntimeError(f"reward workers for {self.function!r} keep dying before "
+                                   f"they are ready (the last {describe_exit(code)})")
+        else:
+            self.restarts += 1
+            log.warning("reward worker %d %s (%s); replacing it", w.proc.pid, why,
+                        describe_exit(code))
+        new = self._spawn()
+        w.proc, w.conn, w.state, w.tag, w.deadline, w.started = (
+            new.proc, new.conn, "starting", None, float("inf"), new.started)
+        return code
+
+    def _check_starting(self, now: float) -> None:
+        for w in self._workers:
+            if w.state in ("starting", "warming") and now - w.started > START_TIMEOUT_S:
+                raise RuntimeError(f"reward worker {w.proc.pid} for {self.function!r} was not "
+                                   f"ready after {START_TIMEOUT_S:g}s")
+
+    def _await(self, done: Callable[[_Worker], bool], what: str) -> None:
+        while not all(done(w) for w in self._workers):
+            ready = wait([w.conn for w in self._workers if not done(w)], timeout=POLL_S)
+            for w in [w for w in self._workers if w.conn in ready]:
+                try:
+                    msg = w.conn.recv()
+                except (EOFError, OSError):
+                    raise RuntimeError(f"reward worker {w.proc.pid} {describe_exit(_kill(w))} "
+                                       f"before it could {what}") from None
+                if msg[0] == "config_error":
+                    raise ConfigError(msg[1])
+                w.state = {"imported": "warming", "ready": "idle"}.get(msg[0], w.state)
+            self._check_starting(time.monotonic())
+
+
+def _kill(w: _Worker) -> int | None:
+    try:
+        os.killpg(w.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        code = w.proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        code = None
+    w.conn.close()
+    return code
+
+
+def _kill_all(workers: list[_Worker]) -> None:
+    for w in workers:
+        _kill(w)
