@@ -197,6 +197,34 @@ class DataConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class RewardSandboxConfig:
+    """Limits of a sandboxed correctness call (`reward.sandbox.enabled`; docs/rewards.md)."""
+    enabled: bool = False
+    """Run each correctness call in a process of its own, forked from its reward worker, with
+    the limits below, in an empty temporary directory, and (Landlock) unable to write anywhere
+    else or to read the run directory and the data files. For rewards that execute model
+    output; costs a fork per sample."""
+    cpu_s: int = 10
+    """CPU seconds of the call's process (RLIMIT_CPU; each process it starts has its own)."""
+    memory_mb: int = 1024
+    """Address space the call may add to what its worker already maps (RLIMIT_AS) [MiB]."""
+    open_files: int = 64
+    """Open file descriptors (RLIMIT_NOFILE)."""
+    file_mb: int = 16
+    """Largest file the call may write (RLIMIT_FSIZE) [MiB]."""
+    processes: int = 32
+    """Processes the call may add to the user's count (RLIMIT_NPROC; not enforced for root,
+    where only the kill of the call's process group and its orphans at the end bounds them)."""
+    require_landlock: bool = True
+    """Refuse to start without Landlock (Linux >= 5.13 with the LSM enabled); false runs with
+    the resource limits and the empty directory only, which does not stop the call from
+    reading or writing the user's files."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "cpu_s", "memory_mb", "open_files", "file_mb", "processes")
+
+
+@dataclass(kw_only=True, slots=True)
 class RewardConfig:
     function: str = "math"
     """`math` (math-verify equivalence), `exact`, or a user function `package.module:function`."""
@@ -214,6 +242,8 @@ class RewardConfig:
     rewards are the same for any count. `auto`: half the CPUs this process may use, 1 to 8.
     0 = in the driver (no isolation, no time limit: for stepping through a plugin in a
     debugger)."""
+    sandbox: RewardSandboxConfig = field(default_factory=RewardSandboxConfig)
+    """Resource limits and filesystem isolation per call, for rewards that run model output."""
     answer_after: str | None = "auto"
     """Score only the text after the last occurrence of this marker (stripped): the correctness
     function and the format reward see that tail, the trajectory log keeps the whole response.
@@ -229,6 +259,8 @@ class RewardConfig:
         _non_negative(self, "format_weight", "verify_timeout_s")
         _check(self.num_workers == "auto" or self.num_workers >= 0, "num_workers",
                self.num_workers, "'auto' or a count >= 0")
+        _check(not self.sandbox.enabled or self.num_workers != 0, "sandbox.enabled", True,
+               "false with num_workers 0 (the sandbox forks from a reward worker)")
         marker = self.answer_after
         _check(marker is None or marker.strip() != "", "answer_after", marker,
                "'auto', null or a non-blank marker such as '</think>'")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from rl.config import RewardConfig
@@ -27,6 +28,13 @@ from rl.signals import StepAbandoned
 log = logging.getLogger(__name__)
 
 MAX_ERRORS_KEPT = 5
+
+
+def protected_paths(cfg) -> tuple[str, ...]:
+    """What a sandboxed reward call may not read, for a `rl.config.Config`: the output
+    directory (every run's checkpoints, logs and trajectories) and the data files."""
+    paths = [cfg.output_dir, cfg.data.train_path, cfg.data.eval_path]
+    return tuple(str(Path(p).resolve()) for p in paths if p)
 
 
 def answer_part(response: str, marker: str | None) -> str | None:
@@ -58,8 +66,10 @@ class RewardComputer:
     Owns its worker pool unless given one (`pool`, shared with the evaluation's computer);
     `close` ends the workers (a with-block does)."""
 
-    def __init__(self, cfg: RewardConfig, *, pool: RewardPool | None = None):
-        """Raises ConfigError when a plugin cannot be imported."""
+    def __init__(self, cfg: RewardConfig, *, pool: RewardPool | None = None,
+                 protect: tuple[str | Path, ...] = ()):
+        """`protect`: paths a sandboxed call may not read (the run directory, the data files).
+        Raises ConfigError when a plugin cannot be imported."""
         if cfg.answer_after == "auto":
             raise ValueError("reward.answer_after: got 'auto', which `Config` resolves from "
                              "data.prompt_format; a RewardConfig built alone needs null or a "
@@ -84,7 +94,9 @@ class RewardComputer:
                              f"names {cfg.function!r}")
         elif pool is None:
             workers = auto_workers() if cfg.num_workers == "auto" else cfg.num_workers
-            self.pool = RewardPool(cfg.function, workers, cfg.verify_timeout_s)
+            self.pool = RewardPool(cfg.function, workers, cfg.verify_timeout_s,
+                                   cfg.sandbox if cfg.sandbox.enabled else None,
+                                   tuple(str(p) for p in protect))
 
     def close(self) -> None:
         """End the worker pool, if this computer started it (idempotent)."""

@@ -34,7 +34,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Callable
 
-from rl.config import ConfigError
+from rl.config import ConfigError, RewardSandboxConfig
+from rl.rewards.sandbox import landlock_abi
 from rl.signals import StepAbandoned
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,9 @@ POLL_S = 0.05
 """How often a waiting `map` checks `cancelled` (and the deadlines)."""
 START_TIMEOUT_S = 300.0
 """A worker that has not imported and warmed its function by then is a fault (not a sample's)."""
+SANDBOX_GRACE_S = 5.0
+"""With the sandbox the worker enforces the time limit itself (it kills the call's process);
+the driver kills the worker only when it is this much later still."""
 MAX_START_FAILURES = 3
 """Workers dying in a row before they are ready: the pool gives up (RuntimeError)."""
 BUILTIN = ("math", "exact")
@@ -87,21 +91,29 @@ class RewardPool:
     """`num_workers` worker processes running the correctness function `function` (`math`,
     `exact` or a dotted path); `map` scores a batch over them."""
 
-    def __init__(self, function: str, num_workers: int, timeout_s: float):
-        """`timeout_s`: per call (0 = none). Raises ConfigError when a plugin cannot be
-        imported."""
+    def __init__(self, function: str, num_workers: int, timeout_s: float,
+                 sandbox: RewardSandboxConfig | None = None, protect: tuple[str, ...] = ()):
+        """`timeout_s`: per call (0 = none); `sandbox`: per-call limits (None = off);
+        `protect`: paths a sandboxed call may not read (the run directory, the data files).
+        Raises ConfigError when a plugin cannot be imported (or the sandbox cannot be had)."""
         if num_workers < 1:
             raise ValueError(f"RewardPool: num_workers {num_workers}, expected >= 1")
         self.function, self.timeout_s = function, timeout_s
+        self.sandboxed = sandbox is not None
         self.restarts = 0
         """Workers killed and replaced (a call hung or crashed its worker), over the pool's life."""
-        self._init = {"function": function, "sys_path": list(sys.path), "timeout_s": timeout_s}
+        self._init = {"function": function, "sys_path": list(sys.path), "timeout_s": timeout_s,
+                      "sandbox": sandbox, "protect": [str(p) for p in protect]}
         self._workers: list[_Worker] = []
         self._batch = 0
         self._start_failures = 0
         # Killed with the pool, or at exit when nobody closed it (and a worker exits by itself
         # when the driver's process is gone: rl.rewards.worker).
         self._finalizer = weakref.finalize(self, _kill_all, self._workers)
+        if sandbox is not None and sandbox.require_landlock and not landlock_abi():
+            raise ConfigError("reward.sandbox.require_landlock: true, but this kernel has no "
+                              "Landlock (Linux >= 5.13 with the LSM enabled); set it to false "
+                              "to run with the resource limits only (docs/rewards.md)")
         try:
             for _ in range(num_workers):
                 self._workers.append(self._spawn())
@@ -185,8 +197,9 @@ class RewardPool:
         except OSError:
             self._replace(w, "died")
             return False
+        limit = self.timeout_s + (SANDBOX_GRACE_S if self.sandboxed else 0.0)
         w.state, w.tag = "busy", tag
-        w.deadline = time.monotonic() + self.timeout_s if self.timeout_s > 0 else float("inf")
+        w.deadline = time.monotonic() + limit if self.timeout_s > 0 else float("inf")
         return True
 
     def _receive(self, w: _Worker) -> tuple[tuple[int, int], Outcome] | None:

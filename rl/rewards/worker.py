@@ -3,7 +3,8 @@
 Imports the correctness function once (an import error goes back as a config error), warms
 math-verify when it is `math`, then answers calls on the socket FD until it closes. A call's
 exception, `sys.exit` included, is its outcome; anything that ends this process instead (a
-segfault, `os._exit`, a hang the driver kills) the driver sees and counts.
+segfault, `os._exit`, a hang the driver kills) the driver sees and counts. With the sandbox,
+each call runs in a child process under `rl.rewards.sandbox`'s limits.
 """
 from __future__ import annotations
 
@@ -53,13 +54,21 @@ def main(fd: int, driver_pid: int) -> None:
         from rl.rewards.verifiers import math_equal
         math_equal("$\\frac{1}{2}$", "0.5")  # imports sympy, builds the LaTeX parser
         math_equal("$x^2+1$", "1+x^2")  # the first symbolic comparison fills sympy's caches
+    sandbox = None
+    if init["sandbox"] is not None:
+        from rl.rewards.sandbox import Sandbox
+        sandbox = Sandbox(init["sandbox"], init["timeout_s"], init["protect"])
     conn.send(("ready",))
     while True:
         try:
             tag, response, answer, meta = conn.recv()
         except EOFError:
             return
-        conn.send(("result", tag, *_call(fn, response, answer, meta)))
+        if sandbox is None:
+            ok, value = _call(fn, response, answer, meta)
+        else:
+            ok, value = sandbox.call(fn, response, answer, meta)
+        conn.send(("result", tag, ok, value))
 
 
 if __name__ == "__main__":

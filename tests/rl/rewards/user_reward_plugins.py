@@ -83,3 +83,17 @@ def sleeps_10ms(response: str, answer: str, meta: dict) -> float:
     import time
     time.sleep(0.01)
     return float(response.strip() == answer)
+
+
+def runs_program(response: str, answer: str, meta: dict) -> float:
+    """A code-execution reward as docs/rewards.md recommends: the response is a Python program,
+    run in a subprocess of its own (so it cannot write this function's result); 1.0 when it
+    exits 0 and prints the answer, else 0.0."""
+    import subprocess
+    import sys
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", response], capture_output=True,
+                              text=True, timeout=meta.get("timeout_s", 2))
+    except subprocess.TimeoutExpired:
+        return 0.0
+    return float(done.returncode == 0 and done.stdout.strip() == answer)
