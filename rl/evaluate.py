@@ -7,17 +7,20 @@ from pathlib import Path
 from rl.data.example import Example
 from rl.rewards.computer import RewardComputer
 from rl.rollout.base import SamplingParams
+from rl.signals import StepAbandoned
 
 
 class Evaluator:
     """The periodic held-out evaluation: when it is due, running it (with engine recovery), and
     the evaluation a stop skipped, which the resumed run owes (`pending`)."""
 
-    def __init__(self, cfg, source, rollout, publisher):
+    def __init__(self, cfg, source, rollout, publisher, reward_pool=None):
         """`source`: `rl.data.source.PromptSource`; `rollout`: `rl.cluster.facades.RolloutGroup`;
-        `publisher`: `rl.publisher.WeightPublisher`."""
+        `publisher`: `rl.publisher.WeightPublisher`; `reward_pool`: the training rewards'
+        `rl.rewards.RewardPool`, shared (None: this evaluator starts its own)."""
         self.cfg, self.source, self.rollout, self.publisher = cfg, source, rollout, publisher
-        self.rewards = RewardComputer(cfg.reward)
+        # Its own failure count (reward/failures is the training samples'), the workers shared.
+        self.rewards = RewardComputer(cfg.reward, pool=reward_pool)
         self.last: dict = {}
         """The metrics of the latest evaluation."""
         self.pending: int | None = None
@@ -27,12 +30,18 @@ class Evaluator:
         return bool(self.cfg.eval.every and step % self.cfg.eval.every == 0
                     or step == self.cfg.num_steps)
 
-    def evaluate(self, step: int) -> dict:
+    def evaluate(self, step: int, cancelled=None) -> dict:
+        """The metrics of evaluating the current weights as `step`'s. When `cancelled()` turns
+        true while the responses are scored, {}: the evaluation is left `pending`."""
         cfg = self.cfg
-        self.last = self.publisher.retry("evaluate", lambda: evaluate(
-            self.rollout, self.source.eval_ids, self.source.eval_set, self.rewards,
-            self.source.tokenizer, cfg.rollout.max_new_tokens, cfg.eval.pass_k,
-            cfg.eval.pass_k_temperature, seed=10_007 + step), step=step)
+        try:
+            self.last = self.publisher.retry("evaluate", lambda: evaluate(
+                self.rollout, self.source.eval_ids, self.source.eval_set, self.rewards,
+                self.source.tokenizer, cfg.rollout.max_new_tokens, cfg.eval.pass_k,
+                cfg.eval.pass_k_temperature, seed=10_007 + step, cancelled=cancelled), step=step)
+        except StepAbandoned:
+            self.pending = step
+            return {}
         return self.last
 
     def evaluate_pending(self) -> tuple[int, dict] | None:
@@ -51,14 +60,16 @@ class Evaluator:
 
 
 def evaluate(rollout, prompt_ids: list[list[int]], examples: list[Example], rewards: RewardComputer,
-             tokenizer, max_new_tokens: int, pass_k: int, temperature: float, seed: int) -> dict:
-    """Eval metrics; {} without examples (evaluation off: nothing to score, no 0/0 accuracy)."""
+             tokenizer, max_new_tokens: int, pass_k: int, temperature: float, seed: int,
+             cancelled=None) -> dict:
+    """Eval metrics; {} without examples (evaluation off: nothing to score, no 0/0 accuracy).
+    `cancelled`: see `RewardComputer.score` (StepAbandoned)."""
     if not examples:
         return {}
     greedy = rollout.generate(prompt_ids, SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1,
                                                          max_new_tokens=max_new_tokens, seed=seed), seed)
     texts = [s[0].text for s in greedy]
-    parts = rewards.score(texts, examples)
+    parts = rewards.score(texts, examples, cancelled)
     out = {"eval/pass1": sum(c >= 1.0 for c in parts.correctness) / max(len(examples), 1),
            "eval/mean_reward": sum(parts.total) / max(len(examples), 1)}
     if pass_k > 1:
@@ -67,7 +78,7 @@ def evaluate(rollout, prompt_ids: list[list[int]], examples: list[Example], rewa
             max_new_tokens=max_new_tokens, seed=seed + 1), seed + 1)
         flat_texts = [s.text for group in sampled for s in group]
         flat_examples = [ex for ex, group in zip(examples, sampled) for _ in group]
-        corr = rewards.score(flat_texts, flat_examples).correctness
+        corr = rewards.score(flat_texts, flat_examples, cancelled).correctness
         hits = 0
         for i in range(len(examples)):
             hits += any(c >= 1.0 for c in corr[i * pass_k:(i + 1) * pass_k])

@@ -28,7 +28,7 @@ from rl.pipeline import RolloutBatch, RolloutPipeline, stale_groups, staleness
 from rl.publisher import Generator, WeightPublisher
 from rl.recorder import Recorder, RestartInfo, rollout_metrics
 from rl.resume import check_and_save_config, resume_hash
-from rl.rewards.computer import RewardComputer
+from rl.rewards.computer import RewardComputer, protected_paths
 from rl.rollout.base import SamplingParams
 from rl.runtime import Runtime
 from rl.signals import StepAbandoned, StopRequest
@@ -123,13 +123,14 @@ class Run:
         self.cfg, self.stop = cfg, stop
         self.state = TrainState()
         self.source = PromptSource.from_model_dir(cfg, model_dir)
-        self.rewards = RewardComputer(cfg.reward)
+        self.rewards = RewardComputer(cfg.reward, protect=protected_paths(cfg))  # its workers
         self.recorder = Recorder(cfg)
         opt_steps = cfg.num_steps * cfg.trainer.ppo_epochs * cfg.trainer.num_mini_batches
         self.runtime = Runtime(cfg, str(model_dir), total_optimizer_steps=opt_steps)
         self.publisher = WeightPublisher(cfg, self.runtime, self.source.probe(),
                                          lambda: self.state.step + 1, FaultInjector())
-        self.evaluator = Evaluator(cfg, self.source, self.runtime.rollout, self.publisher)
+        self.evaluator = Evaluator(cfg, self.source, self.runtime.rollout, self.publisher,
+                                   reward_pool=self.rewards.pool)
         self.pipeline = RolloutPipeline(
             cfg, self.source, Generator(self.runtime, self.publisher),
             SamplingParams.from_rollout(cfg.rollout,
@@ -249,7 +250,8 @@ class Run:
         t0 = time.perf_counter()
         metrics = {}
         if self.evaluator.due(step) and not stop.requested:
-            metrics.update(self.evaluator.evaluate(step))
+            # a stop during its scoring leaves it to the resumed run, like a stop before it
+            metrics.update(self.evaluator.evaluate(step, cancelled=lambda: stop.requested))
         elif self.evaluator.due(step):
             self.evaluator.pending = step
         t_eval = time.perf_counter() - t0
@@ -309,4 +311,5 @@ class Run:
 
     def close(self) -> None:
         self.recorder.close()
+        self.rewards.close()
         self.runtime.shutdown()

@@ -98,12 +98,15 @@ def _encode(tok, cfg: Config, examples) -> list[tuple[list[int], list[int]]]:
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tok, cfg: Config, examples, max_new_tokens: int, batch_size: int = 256
-                    ) -> float:
-    """Greedy pass@1, scored by the run's reward rules (`RewardComputer(cfg.reward)`)."""
+def greedy_accuracy(model, tok, cfg: Config, examples, max_new_tokens: int, batch_size: int = 256,
+                    rewards=None) -> float:
+    """Greedy pass@1, scored by the run's reward rules: `rewards`, a `RewardComputer(cfg.reward)`
+    (None: one for this call, its workers ended after it)."""
     from rl.rewards.computer import RewardComputer
     from rl.rollout.base import cut_at_stop, decode_response
-    rewards = RewardComputer(cfg.reward)
+    if rewards is None:
+        with RewardComputer(cfg.reward) as rewards:
+            return greedy_accuracy(model, tok, cfg, examples, max_new_tokens, batch_size, rewards)
     model.eval()
     correct = 0.0
     for start in range(0, len(examples), batch_size):
@@ -146,6 +149,9 @@ def run_sft(cfg: Config) -> tuple[Path, float]:
     say(f"SFT warm start: training {s.steps} steps{until} x {s.batch_size} examples on "
         f"{len(train)} prompts (model {base}); cached for later runs")
     t0 = time.perf_counter()
+    from rl.rewards.computer import RewardComputer, protected_paths
+    # The reward workers for every check (ended below; on an exception, when it is collected).
+    rewards = RewardComputer(cfg.reward, protect=protected_paths(cfg))
     checks: list[tuple[int, float]] = []
     steps_done = s.steps
     for step in range(s.steps):
@@ -169,13 +175,16 @@ def run_sft(cfg: Config) -> tuple[Path, float]:
                      time.perf_counter() - t0)
         if s.target_accuracy is not None and (step + 1) % s.check_every == 0:
             checks.append((step + 1, greedy_accuracy(model, tok, cfg, train[:s.check_examples],
-                                                     cfg.rollout.max_new_tokens)))
+                                                     cfg.rollout.max_new_tokens,
+                                                     rewards=rewards)))
             model.train()
             log.info("sft step %4d: %.3f greedy accuracy on training problems", *checks[-1])
             if checks[-1][1] >= s.target_accuracy:
                 steps_done = step + 1
                 break
-    accuracy = greedy_accuracy(model, tok, cfg, evals[: cfg.eval.num_prompts], cfg.rollout.max_new_tokens)
+    accuracy = greedy_accuracy(model, tok, cfg, evals[: cfg.eval.num_prompts], cfg.rollout.max_new_tokens,
+                               rewards=rewards)
+    rewards.close()
     out = sft_dir(cfg)
     tmp = out.with_name(f".tmp-{out.name}-{uuid.uuid4().hex[:6]}")
     tmp.mkdir(parents=True)

@@ -24,3 +24,33 @@ def test_resumed_run_completes_the_skipped_evaluation(tmp_path):
     Recorder(cfg).rewind_jsonl(3, complete=owed)
     got = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert got == rows[:2] + [{**rows[2], "eval/pass1": 0.5}]
+
+
+def test_a_stop_while_the_evaluation_scores_leaves_it_pending(tmp_path):
+    """A reward function that hangs on the held-out responses does not hold the stop back: the
+    evaluation gives up, stays owed, and the resumed run does it."""
+    import time
+    from types import SimpleNamespace
+
+    from rl.data import Example
+    from rl.rollout.base import Sample
+    cfg = load_config(None, [f"output_dir={tmp_path}", "name=run", "eval.pass_k=1",
+                             "reward.function=tests.rl.rewards.user_reward_plugins:scripted",
+                             "reward.num_workers=1", "reward.verify_timeout_s=600"])
+
+    class Rollout:  # every held-out response asks the plugin to hang
+        def generate(self, prompt_ids, params, seed):
+            return [[Sample(prompt_ids=p, response_ids=[1], text="hang", logprobs=[0.0],
+                            finish_reason="stop", weight_version=0)] for p in prompt_ids]
+
+    source = SimpleNamespace(eval_ids=[[1], [2]], eval_set=[Example(prompt="q", answer="1")] * 2,
+                             tokenizer=None)
+    publisher = SimpleNamespace(retry=lambda point, fn, step=None: fn())
+    evaluator = Evaluator(cfg, source, Rollout(), publisher)
+    try:
+        asked = time.monotonic() + 0.5
+        assert evaluator.evaluate(4, cancelled=lambda: time.monotonic() > asked) == {}
+        assert time.monotonic() - asked < 2.0
+        assert evaluator.pending == 4 and evaluator.last == {}
+    finally:
+        evaluator.rewards.close()

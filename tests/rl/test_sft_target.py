@@ -29,11 +29,11 @@ def test_a_reached_target_stops_the_warm_start_early(tmp_path, monkeypatch):
     real = sft.greedy_accuracy
     seen = []
 
-    def fake(model, tok, cfg, examples, max_new_tokens):
+    def fake(model, tok, cfg, examples, max_new_tokens, **kwargs):
         if len(examples) == 32 and len(seen) < 4:  # a check (the final eval has 16 problems)
             seen.append(examples)
             return next(accuracy)
-        return real(model, tok, cfg, examples, max_new_tokens)
+        return real(model, tok, cfg, examples, max_new_tokens, **kwargs)
     monkeypatch.setattr(sft, "greedy_accuracy", fake)
     out, _ = sft.run_sft(_cfg(tmp_path, "sft.target_accuracy=0.4"))
     record = json.loads((out / "sft.json").read_text())
