@@ -29,7 +29,7 @@ import sys
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Callable
@@ -47,6 +47,9 @@ START_TIMEOUT_S = 300.0
 SANDBOX_GRACE_S = 5.0
 """With the sandbox the worker enforces the time limit itself (it kills the call's process);
 the driver kills the worker only when it is this much later still."""
+QUEUE_DEPTH = 2
+"""Calls sent ahead to a worker: the next one starts the moment one ends, not after a round trip
+through the driver (which, on a busy node, first waits for a CPU)."""
 MAX_START_FAILURES = 3
 """Workers dying in a row before they are ready: the pool gives up (RuntimeError)."""
 BUILTIN = ("math", "exact")
@@ -75,16 +78,21 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with status {returncode}"
 
 
+Tag = tuple[int, int]
+"""(batch, index) of a call."""
+
+
 @dataclass(slots=True)
 class _Worker:
     proc: subprocess.Popen
     conn: Connection
+    started: float
     state: str = "starting"
-    """`starting` (importing the function), `warming`, `idle` or `busy`."""
-    tag: tuple[int, int] | None = None
-    """(batch, index) of the call in progress."""
+    """`starting` (importing the function), `warming` or `ready`."""
+    queue: deque[Tag] = field(default_factory=deque)
+    """The calls sent to it, in order: the first is running, the others wait in its socket."""
     deadline: float = float("inf")
-    started: float = 0.0
+    """When the running call times out."""
 
 
 class RewardPool:
@@ -130,6 +138,11 @@ class RewardPool:
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
 
+    def wait_ready(self) -> None:
+        """Block until every worker has imported and warmed its function (math-verify's import
+        and first parse take seconds: a benchmark or a test may want them out of the way)."""
+        self._await(lambda w: w.state == "ready", "warm up")
+
     def map(self, calls: list[tuple[str, str, dict]],
             cancelled: Callable[[], bool] | None = None) -> list[Outcome]:
         """One outcome per `(response, answer, meta)`, in order; the values do not depend on
@@ -143,28 +156,30 @@ class RewardPool:
                 raise StepAbandoned(f"stop requested while scoring "
                                     f"({len(calls) - left} of {len(calls)} done)")
             for w in self._workers:
-                if todo and w.state == "idle":
+                while todo and w.state == "ready" and len(w.queue) < QUEUE_DEPTH:
                     i = todo.popleft()
                     if not self._send(w, (batch, i), calls[i]):
                         todo.appendleft(i)  # it never ran: another worker takes it
+                        break
             now = time.monotonic()
             next_deadline = min((w.deadline for w in self._workers), default=now + POLL_S)
             ready = wait([w.conn for w in self._workers],
                          timeout=max(0.0, min(POLL_S, next_deadline - now)))
+            events = []
             for w in [w for w in self._workers if w.conn in ready]:
-                done = self._receive(w)
-                if done is not None and done[0][0] == batch:
-                    (_, i), outcome = done
-                    out[i], left = outcome, left - 1
+                events += self._receive(w)
             now = time.monotonic()
-            for w in [w for w in self._workers if w.state == "busy" and w.deadline < now]:
-                tag = w.tag
-                self._replace(w, "hung")
-                if tag[0] == batch:
-                    out[tag[1]] = (False, f"TimeoutError: no result within "
-                                          f"reward.verify_timeout_s={self.timeout_s:g}s (worker "
-                                          f"killed and replaced)")
-                    left -= 1
+            for w in [w for w in self._workers if w.deadline < now]:
+                message = (f"TimeoutError: no result within reward.verify_timeout_s="
+                           f"{self.timeout_s:g}s (worker killed and replaced)")
+                events += self._fail_and_replace(w, "hung", message)
+            for (b, i), outcome in events:
+                if b != batch:
+                    continue  # a call of a batch given up on (a stop): its result is dropped
+                if outcome is None:
+                    todo.appendleft(i)  # sent to a worker that died before it started
+                else:
+                    out[i], left = outcome, left - 1
             self._check_starting(now)
         return out
 
@@ -189,47 +204,52 @@ class RewardPool:
             child.close()
         conn = Connection(parent.detach())
         conn.send(self._init)
-        return _Worker(proc, conn, started=time.monotonic())
+        return _Worker(proc, conn, time.monotonic())
 
-    def _send(self, w: _Worker, tag: tuple[int, int], call: tuple) -> bool:
+    def _send(self, w: _Worker, tag: Tag, call: tuple) -> bool:
         try:
             w.conn.send((tag, *call))
-        except OSError:
-            self._replace(w, "died")
+        except OSError:  # it died; what it had in hand is seen on its next receive
             return False
-        limit = self.timeout_s + (SANDBOX_GRACE_S if self.sandboxed else 0.0)
-        w.state, w.tag = "busy", tag
-        w.deadline = time.monotonic() + limit if self.timeout_s > 0 else float("inf")
+        w.queue.append(tag)
+        if len(w.queue) == 1:
+            w.deadline = self._deadline()
         return True
 
-    def _receive(self, w: _Worker) -> tuple[tuple[int, int], Outcome] | None:
-        """Handle one message of `w`; ((batch, index), outcome) when it finished a call."""
+    def _deadline(self) -> float:
+        if self.timeout_s <= 0:
+            return float("inf")
+        return time.monotonic() + self.timeout_s + (SANDBOX_GRACE_S if self.sandboxed else 0.0)
+
+    def _receive(self, w: _Worker) -> list[tuple[Tag, Outcome | None]]:
+        """Handle one message of `w`: [(tag, outcome)] for a finished call; for a dead worker,
+        its running call failed and the calls it never started with outcome None."""
         try:
             msg = w.conn.recv()
         except (EOFError, OSError):
-            tag = w.tag
-            code = self._replace(w, "died")
-            if tag is None:
-                return None
-            return tag, (False, f"WorkerDied: the reward worker {describe_exit(code)} during "
-                                f"the call (replaced)")
+            return self._fail_and_replace(w, "died", None)
         kind = msg[0]
         if kind == "result":
             _, tag, ok, value = msg
-            w.state, w.tag, w.deadline = "idle", None, float("inf")
-            return tag, (ok, value)
+            assert w.queue and w.queue[0] == tag, (tag, w.queue)  # calls run in order
+            w.queue.popleft()
+            w.deadline = self._deadline() if w.queue else float("inf")
+            return [(tag, (ok, value))]
         if kind == "imported":
             w.state = "warming"
         elif kind == "ready":
-            w.state, self._start_failures = "idle", 0
+            w.state, self._start_failures = "ready", 0
         elif kind == "config_error":
             raise ConfigError(msg[1])
-        return None
+        return []
 
-    def _replace(self, w: _Worker, why: str) -> int | None:
-        """Kill `w` (and its process group), start a new worker in its place; its exit code."""
+    def _fail_and_replace(self, w: _Worker, why: str,
+                          message: str | None) -> list[tuple[Tag, Outcome | None]]:
+        """Kill `w` (and its process group) and start a new worker in its place: its running
+        call failed (`message`, or how the worker ended), the others never started (None)."""
+        queue = list(w.queue)
         code = _kill(w)
-        if w.state in ("starting", "warming"):
+        if w.state != "ready":
             self._start_failures += 1
             if self._start_failures >= MAX_START_FAILURES:
                 raise RuntimeError(f"reward workers for {self.function!r} keep dying before "
@@ -239,9 +259,13 @@ class RewardPool:
             log.warning("reward worker %d %s (%s); replacing it", w.proc.pid, why,
                         describe_exit(code))
         new = self._spawn()
-        w.proc, w.conn, w.state, w.tag, w.deadline, w.started = (
-            new.proc, new.conn, "starting", None, float("inf"), new.started)
-        return code
+        w.proc, w.conn, w.started, w.state, w.queue, w.deadline = (
+            new.proc, new.conn, new.started, "starting", deque(), float("inf"))
+        if not queue:
+            return []
+        message = message or (f"WorkerDied: the reward worker {describe_exit(code)} during "
+                              f"the call (replaced)")
+        return [(queue[0], (False, message))] + [(tag, None) for tag in queue[1:]]
 
     def _check_starting(self, now: float) -> None:
         for w in self._workers:
@@ -260,7 +284,7 @@ class RewardPool:
                                        f"before it could {what}") from None
                 if msg[0] == "config_error":
                     raise ConfigError(msg[1])
-                w.state = {"imported": "warming", "ready": "idle"}.get(msg[0], w.state)
+                w.state = {"imported": "warming", "ready": "ready"}.get(msg[0], w.state)
             self._check_starting(time.monotonic())
 
 

@@ -67,6 +67,14 @@ def test_a_misbehaving_call_fails_its_sample_only(scripted_pool, response, error
     assert computer.score(["1", "1"], examples(2)).total == [2.0, 2.0]
 
 
+def test_calls_queued_behind_a_dead_or_hung_call_run_elsewhere(scripted_pool):
+    # Two calls are queued per worker: "1" waits behind "hang", "1" behind "exit".
+    computer = RewardComputer(config(), pool=scripted_pool)
+    parts = computer.score(["hang", "1", "exit", "1", "1", "1"], examples(6))
+    assert parts.failed == [True, False, True, False, False, False]
+    assert parts.correctness == [0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+
+
 def test_a_slow_call_within_the_limit_is_scored(scripted_pool):
     computer = RewardComputer(config(), pool=scripted_pool)
     parts = computer.score([f"sleep:{TIMEOUT_S / 4}", "1"], examples(2))
@@ -157,3 +165,35 @@ def test_num_workers_is_validated():
     with pytest.raises(ConfigError, match=r"reward\.num_workers: got -1, expected 'auto' or a "
                                           r"count >= 0"):
         load_config(None, ["reward.num_workers=-1"])
+
+
+def test_workers_do_not_outlive_a_killed_driver(tmp_path):
+    """A driver killed outright (SIGKILL: no finally, no atexit) with a call hanging: its
+    workers exit by themselves."""
+    import os
+    import signal
+    import subprocess
+    driver = ("import sys\n"
+              "from rl.rewards import RewardPool\n"
+              f"pool = RewardPool({SCRIPTED!r}, 2, 600)\n"
+              "print(*pool.pids(), flush=True)\n"
+              "pool.map([('hang', '', {}), ('hang', '', {})])\n")
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=REPO, stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    time.sleep(0.5)  # the calls are running
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

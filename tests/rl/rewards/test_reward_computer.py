@@ -95,6 +95,7 @@ PATHOLOGICAL = "\\boxed{9^{9^{9}}}"
 
 def test_math_verify_timeout_is_a_counted_failure_in_any_thread():
     with RewardComputer(bare(function="math", verify_timeout_s=2.0, num_workers=2)) as computer:
+        computer.pool.wait_ready()
         start = time.monotonic()
         parts = computer.score([PATHOLOGICAL, "$\\frac{3}{7}$"], examples("3/7", "3/7"))
         assert time.monotonic() - start < 10
