@@ -84,11 +84,18 @@ def attention_choices(text: str) -> list[tuple[str, int | None]]:
     return out
 
 
+def _module_name(script: str) -> str:
+    """`bench.x` for this checkout's bench/x.py, wherever the checkout is."""
+    path = Path(script).resolve().with_suffix("")
+    root = Path(__file__).resolve().parents[1]
+    rel = path.relative_to(root) if path.is_relative_to(root) else Path(path.name)
+    return rel.as_posix().replace("/", ".")
+
+
 def device_info() -> dict:
     info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "torch": torch.__version__, "python": platform.python_version(),
-            "command": "python -m " + Path(sys.argv[0]).with_suffix("").as_posix()
-                       .split("/work/main/")[-1].replace("/", ".") + " " + " ".join(sys.argv[1:])}
+            "command": "python -m " + _module_name(sys.argv[0]) + " " + " ".join(sys.argv[1:])}
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)
         info["num_gpus"] = torch.cuda.device_count()
