@@ -32,7 +32,7 @@ def _call(fn, response: str, answer: str, meta: dict) -> tuple[bool, object]:
     try:
         return True, reward_value(fn(response, answer, meta))
     except BaseException as e:  # sys.exit and KeyboardInterrupt too: a failed sample, no more
-        return False, f"{type(e).__name__}: {e}"
+        return False, f"{type(e).__name__}: {e}"[:1000]
 
 
 def main(fd: int, driver_pid: int) -> None:
