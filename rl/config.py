@@ -235,8 +235,8 @@ class RewardConfig:
     task), a final `\\boxed{..}`, a final `#### answer` line, or any of these (`auto`)."""
     verify_timeout_s: float = 5.0
     """Time limit for one call of the correctness function, built-in or plugin (seconds, 0 =
-    off): past it the call's worker is killed and replaced, the sample scores 0 and counts in
-    `reward/failures`. Enforced by the reward workers only (not with num_workers 0)."""
+    off): past it the call is killed (its worker, replaced; with the sandbox, its process), the
+    sample scores 0 and counts in `reward/failures`. Not enforced with num_workers 0."""
     num_workers: int | Literal["auto"] = "auto"
     """Worker processes the correctness function runs in; a batch is split over them, the
     rewards are the same for any count. `auto`: half the CPUs this process may use, 1 to 8.

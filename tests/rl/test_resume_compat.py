@@ -43,3 +43,16 @@ def test_reward_answer_after_keeps_old_runs_resumable_unless_their_scoring_chang
     v4 = to_dict(load_config(None, ["model.path=/m", "data.prompt_format=deepseek_v4"]))
     assert config_differences(_without(v4, "reward.answer_after"), v4) == [
         "reward.answer_after: None -> '</think>'"]
+
+
+def test_reward_workers_may_change_on_resume_the_sandbox_may_not():
+    """reward.num_workers does not change the rewards (tested in tests/rl/rewards); the sandbox
+    can (a call that passes unconfined may fail confined): the resume check names it."""
+    new = to_dict(load_config(None, []))
+    assert config_differences(_without(_without(new, "reward.num_workers"), "reward.sandbox"),
+                              new) == []
+    more = to_dict(load_config(None, ["reward.num_workers=6"]))
+    assert config_differences(new, more) == []
+    assert resume_hash(load_config(None, ["reward.num_workers=6"])) == resume_hash(Config())
+    boxed = to_dict(load_config(None, ["reward.sandbox.enabled=true"]))
+    assert config_differences(new, boxed) == ["reward.sandbox.enabled: False -> True"]
