@@ -38,11 +38,12 @@ def check_slurm_params_or_exit(cfg: Config) -> None:
 
 def check_resume_or_exit(cfg: Config, force: bool) -> None:
     """Exit 2 when RUN_DIR/config.yaml holds a config that differs from `cfg` in keys that matter
-    (`rl.resume.RESUME_IGNORED` lists those that do not). `force`: resume anyway."""
+    (`rl.resume.RESUME_KEYS` classifies every key). `force`: resume anyway. Accepted changes
+    worth knowing (a longer run keeping its LR schedule, other thread counts) get a note."""
     saved = cfg.run_dir / "config.yaml"
     if not saved.is_file():
         return
-    from rl.resume import config_differences
+    from rl.resume import config_differences, config_notes
     try:
         old = yaml.safe_load(saved.read_text())
     except (OSError, yaml.YAMLError) as e:
@@ -58,6 +59,8 @@ def check_resume_or_exit(cfg: Config, force: bool) -> None:
         fail(f"config error: {saved}: refusing to resume, the config differs in {len(diffs)} "
              f"key(s) that matter: {'; '.join(diffs)} (pass --force to resume anyway, "
              "--no-resume to start over, or use another name)")
+    for note in config_notes(old, to_dict(cfg)):
+        print(f"note: resuming with a changed setting: {note}", flush=True)
 
 
 @dataclass(slots=True)

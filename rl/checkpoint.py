@@ -300,8 +300,12 @@ class Checkpointer:
     `state_dict`s of `counters`), `sampler` and `pending` (their `state_dict`s) and the driver's
     RNGs. Each component has `state_dict()` and `load_state_dict(d)`."""
 
-    def __init__(self, cfg, trainer, counters: list, sampler, pending, config_hash: str):
+    def __init__(self, cfg, trainer, counters: list, sampler, pending, config_hash: str,
+                 accepted_hashes: set[str] = frozenset()):
         self.cfg, self.trainer, self.config_hash = cfg, trainer, config_hash
+        self.accepted_hashes = set(accepted_hashes)
+        """Other config hashes a checkpoint may carry (`rl.resume.resume_hashes`: the one older
+        versions wrote)."""
         self.counters, self.sampler, self.pending = counters, sampler, pending
         self.manager = CheckpointManager(cfg.run_dir, cfg.checkpoint.keep_last,
                                          cfg.checkpoint.keep_every, cfg.checkpoint.checksums)
@@ -322,7 +326,8 @@ class Checkpointer:
         if found is None:
             return None
         path, manifest = found
-        if manifest.get("config_hash") != self.config_hash and not force:
+        if manifest.get("config_hash") not in {self.config_hash, *self.accepted_hashes} \
+                and not force:
             raise ConfigError(f"{self.cfg.run_dir}: refusing to resume from {path.name}: the "
                               "config differs in keys that matter (see above; pass --force to "
                               "override)")

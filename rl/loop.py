@@ -27,7 +27,7 @@ from rl.faults import FaultInjector
 from rl.pipeline import RolloutBatch, RolloutPipeline, stale_groups, staleness
 from rl.publisher import Generator, WeightPublisher
 from rl.recorder import Recorder, RestartInfo, rollout_metrics
-from rl.resume import check_and_save_config, resume_hash
+from rl.resume import check_and_save_config, resume_hash, resume_hashes
 from rl.rewards.computer import RewardComputer, protected_paths
 from rl.rollout.base import SamplingParams
 from rl.runtime import Runtime
@@ -139,7 +139,7 @@ class Run:
             checkpoint_seconds=lambda: self.checkpointer.last_seconds)
         self.checkpointer = Checkpointer(
             cfg, self.runtime.trainer, [self.state, self.publisher, self.evaluator, self.rewards],
-            self.source, self.pipeline, resume_hash(cfg))
+            self.source, self.pipeline, resume_hash(cfg), resume_hashes(cfg))
         self._busy_before = 0.0
 
     def start(self, resume: bool, force: bool, restart: RestartInfo) -> None:

@@ -46,7 +46,7 @@ def test_resume_with_a_different_config_is_refused_before_anything_starts(tmp_pa
     assert_refused_in_one_line(proc, f"{run_dir}/config.yaml: refusing to resume",
                                "algorithm.clip_low: 0.2 -> 0.3", "trainer.lr: 0.0003 -> 0.001",
                                "--force", "--no-resume")
-    assert "num_steps" not in proc.stderr  # RESUME_IGNORED: changing it is a normal resume
+    assert "num_steps" not in proc.stderr  # rl.resume.RESUME_KEYS: a longer run resumes
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]  # no job, no submitit
 
 
