@@ -119,6 +119,9 @@ class TrainerWorker:
                           MASTER_ADDR=rank_info.master_addr, MASTER_PORT=str(rank_info.master_port))
         self._seed_everything(seed)
         self.ep = None  # rl.trainer.expert_parallel.ExpertParallel with expert_parallel_size > 1
+        self.lr_horizon = total_optimizer_steps
+        """Optimizer steps the LR schedule decays over: the run's at its start, kept by every
+        resume (`load`), so a changed num_steps neither stretches nor squeezes the schedule."""
         self.engine, self.ref_model = self._build(model_dir, total_optimizer_steps)
         self.sender = WeightSender(self.engine.module, zero_stage=cfg.zero_stage,
                                    is_sender=self.rank == 0, sync=sync, device=self.device,
@@ -468,6 +471,7 @@ class TrainerWorker:
         import torch.distributed as dist
         state = dict(client_state or {})
         state["optimizer_steps"] = self.optimizer_steps
+        state["lr_horizon"] = self.lr_horizon
         rng = rng_state()  # taken first: nothing the save does may shift what a resume restores
         self.engine.checkpoint_engine.take()  # forget the paths of any earlier save
         error: Exception | None = None
@@ -543,7 +547,32 @@ class TrainerWorker:
                                f"{self.rank} ({rng_file.name} is missing): was it written by "
                                "fewer ranks?")
         self.optimizer_steps = client["optimizer_steps"]
+        self._keep_lr_horizon(client.get("lr_horizon"))
         return client
+
+    def _keep_lr_horizon(self, saved: int | None) -> None:
+        """The LR schedule of the run's start (LambdaLR's state has its step count, not its
+        function, so a resume would otherwise decay over the new num_steps: resumed at step 200
+        of 250 with num_steps 500, a cosine rate jumped from 0.21 to 0.74 of lr)."""
+        log = logging.getLogger(__name__)
+        if saved is None:  # written before the horizon was kept
+            if self.cfg.lr_schedule != "constant" and self.rank == 0:
+                log.warning("the checkpoint has no LR-schedule horizon (an older version wrote "
+                            "it): the schedule decays over the current %d optimizer steps",
+                            self.lr_horizon)
+            return
+        if saved != self.lr_horizon:
+            if self.rank == 0 and self.cfg.lr_schedule != "constant":
+                log.warning("keeping the LR schedule's horizon of %d optimizer steps from the "
+                            "run's start (num_steps now gives %d): past it the rate stays at "
+                            "min_lr_ratio x lr", saved, self.lr_horizon)
+            sched = self.engine.lr_scheduler
+            sched.lr_lambdas = [_lr_lambda(self.cfg, saved) for _ in sched.lr_lambdas]
+            self.lr_horizon = saved
+
+    def lr_factor(self, step: int) -> float:
+        """The schedule's factor of `trainer.lr` at optimizer step `step` (tests, tools)."""
+        return self.engine.lr_scheduler.lr_lambdas[0](step)
 
     def get_rng_state(self) -> dict:
         """This rank's RNG streams, as `save` stores them (for tests)."""

@@ -1,4 +1,4 @@
-"""Trainer checkpoints restore every rank's own RNG streams.
+"""Trainer checkpoints restore every rank's own RNG streams, and the LR schedule's horizon.
 
 Under ZeRO 0-2 DeepSpeed writes its client state from rank 0 only; a rank that restored its RNG
 from there got rank 0's streams (ZeRO-3 writes one per rank). Two real DeepSpeed ZeRO-2 ranks
@@ -16,12 +16,14 @@ from rl.trainer.worker import RankInfo, TrainerWorker
 pytestmark = pytest.mark.slow
 
 
-def _ranks(model_dir, zero_stage: int, seed: int, name: str) -> list[ProcActor]:
-    cfg = TrainerConfig(num_ranks=2, zero_stage=zero_stage, lr=1e-3)
+def _ranks(model_dir, zero_stage: int, seed: int, name: str,
+           total_steps: int = 10) -> list[ProcActor]:
+    cfg = TrainerConfig(num_ranks=2, zero_stage=zero_stage, lr=1e-3, lr_schedule="cosine")
     port = free_port()
     actors = [ProcActor(TrainerWorker, cfg, AlgorithmConfig(), SyncConfig(), str(model_dir),
                         "float32", RankInfo(rank=r, world_size=2, master_addr="127.0.0.1",
-                                            master_port=port), seed, 10, name=f"{name}{r}")
+                                            master_port=port), seed, total_steps,
+                        name=f"{name}{r}")
               for r in range(2)]
     try:
         wait_all([a.ready for a in actors], timeout=600)
@@ -52,10 +54,13 @@ def test_every_rank_restores_the_rng_state_it_saved(tmp_path, zero_stage):
         for a in savers:
             a.close()
     assert saved[0] != saved[1]  # per-rank streams (seeded seed * 1000 + rank)
-    loaders = _ranks(model_dir, zero_stage, seed=1, name="load")
+    # The loaders are a resume with twice the num_steps: the LR schedule keeps its horizon.
+    loaders = _ranks(model_dir, zero_stage, seed=1, name="load", total_steps=20)
     try:
         before = [_comparable(s) for s in wait_all([a.call("get_rng_state") for a in loaders])]
+        stretched = wait_all([a.call("lr_factor", 10) for a in loaders])
         clients = wait_all([a.call("load", ckpt, "ds") for a in loaders], timeout=300)
+        kept = wait_all([a.call("lr_factor", s) for a in loaders for s in (5, 10, 15)])
         after = [_comparable(s) for s in wait_all([a.call("get_rng_state") for a in loaders])]
         # A checkpoint from before the per-rank files kept the RNG in DeepSpeed's client state
         # (rank 0's copy under ZeRO 0-2): it still loads, from there.
@@ -71,6 +76,9 @@ def test_every_rank_restores_the_rng_state_it_saved(tmp_path, zero_stage):
             a.close()
     assert before[1] != saved[1]  # the load has something to restore
     assert clients[1]["step"] == 1
+    # cosine over 10 steps: halfway at 5, the floor (min_lr_ratio) from 10 on
+    assert stretched == [pytest.approx(0.55)] * 2
+    assert kept == [pytest.approx(x) for x in (0.55, 0.1, 0.1)] * 2
     assert after[0] == saved[0]
     assert after[1] == saved[1], "rank 1 restored another rank's RNG state"
     assert from_legacy == [saved[0], saved[0]]
