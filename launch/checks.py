@@ -36,10 +36,12 @@ def check_slurm_params_or_exit(cfg: Config) -> None:
         fail(f"config error: cluster.slurm_params: {e}")
 
 
-def check_resume_or_exit(cfg: Config, force: bool) -> None:
+def check_resume_or_exit(cfg: Config, force: bool, read_data: bool = True) -> None:
     """Exit 2 when RUN_DIR/config.yaml holds a config that differs from `cfg` in keys that matter
-    (`rl.resume.RESUME_KEYS` classifies every key). `force`: resume anyway. Accepted changes
-    worth knowing (a longer run keeping its LR schedule, other thread counts) get a note."""
+    (`rl.resume.RESUME_KEYS` classifies every key), or when the data's content differs from what
+    the run recorded at its start (`rl.data.fingerprint`; only with `read_data` and the files
+    on this machine: the job repeats it). `force`: resume anyway. Accepted changes worth knowing
+    (a longer run keeping its LR schedule, other thread counts) get a note."""
     saved = cfg.run_dir / "config.yaml"
     if not saved.is_file():
         return
@@ -61,6 +63,14 @@ def check_resume_or_exit(cfg: Config, force: bool) -> None:
              "--no-resume to start over, or use another name)")
     for note in config_notes(old, to_dict(cfg)):
         print(f"note: resuming with a changed setting: {note}", flush=True)
+    if read_data and not missing_data_files(cfg):
+        from rl.data.fingerprint import check_fingerprint
+        try:
+            changed = check_fingerprint(cfg, force)
+        except ConfigError as e:
+            fail(f"data error: {e}")
+        if changed:
+            print(f"resuming despite data changes (--force): {'; '.join(changed)}", flush=True)
 
 
 @dataclass(slots=True)

@@ -135,7 +135,7 @@ def run_checks(cfg, args) -> Preflight:
     if args.no_resume:
         done.skipped.append(("resume", "--no-resume: the old run directory is moved aside"))
     else:
-        check_resume_or_exit(cfg, args.force)
+        check_resume_or_exit(cfg, args.force, read_data=not args.no_data_check)
         done.ran.append("resume")
     if cfg.cluster.kind != "slurm":  # a local CPU run has no GPU budget
         done.skipped.append(("memory plan", "checked for Slurm jobs only"))

@@ -150,7 +150,9 @@ def resume_hashes(cfg: Config) -> set[str]:
 
 def check_and_save_config(cfg: Config, resume: bool, force: bool) -> None:
     """Refuse (ConfigError) to resume a run directory whose config.yaml differs in keys that
-    matter, unless `force`; log the accepted changes worth a note; then write `cfg` there."""
+    matter, or whose data changed since it started (`rl.data.fingerprint`), unless `force`; log
+    the accepted changes worth a note; then write `cfg` and the data's fingerprint there."""
+    from rl.data.fingerprint import check_fingerprint, write_fingerprint
     saved = cfg.run_dir / "config.yaml"
     if saved.exists() and resume:
         old, new = yaml.safe_load(saved.read_text()), to_dict(cfg)
@@ -162,4 +164,7 @@ def check_and_save_config(cfg: Config, resume: bool, force: bool) -> None:
             log.warning("resuming despite config differences (--force): %s", "; ".join(diffs))
         for note in config_notes(old, new):
             log.warning("resuming with a changed setting: %s", note)
+        if changed := check_fingerprint(cfg, force):
+            log.warning("resuming despite data changes (--force): %s", "; ".join(changed))
     save_config(cfg, saved)
+    write_fingerprint(cfg)
