@@ -1045,9 +1045,15 @@ def _leaves(data: dict, prefix: str = "") -> list[str]:
 
 def _read_yaml(path: str | Path) -> dict:
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config file ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x}); expected a "
+                          "UTF-8 YAML file") from None
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:

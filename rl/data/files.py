@@ -1,8 +1,9 @@
 """Prompt datasets from JSONL and Parquet files with configurable field names.
 
 Every malformed row raises `DataError` naming `file:line` (JSONL, 1-based line numbers) or
-`file: row N` (Parquet, 0-based row index), the key and what was expected. Blank JSONL lines are
-skipped; a file without any example is an error.
+`file: row N` (Parquet, 0-based row index), the key and what was expected; text that is not
+UTF-8 too, with the offending byte and its column. Blank JSONL lines are skipped; a file without
+any example is an error.
 """
 from __future__ import annotations
 
@@ -21,8 +22,31 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _not_utf8(where: str, data: bytes, e: UnicodeDecodeError, lines: bool) -> DataError:
+    """Names the first byte of `data` that is not UTF-8, by its 1-based byte column, and its
+    1-based line after `where` when `lines` (`data` is a whole JSONL file)."""
+    column = e.start - (data.rfind(b"\n", 0, e.start) + 1 if lines else 0) + 1
+    if lines:
+        line = data.count(b"\n", 0, e.start) + 1
+        where += f":{line}"
+    return DataError(f"{where}: not UTF-8 (byte 0x{data[e.start]:02x} at column {column}); "
+                     "expected UTF-8 text: re-encode the file (e.g. iconv -f latin1 -t utf-8)")
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """Yields (location, parsed row) for each non-blank line."""
+    try:
+        yield from _jsonl_lines(path)
+    except UnicodeDecodeError:
+        data = path.read_bytes()  # only now: where the first bad byte is, by line and column
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _not_utf8(str(path), data, e, lines=True) from None
+        raise
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[str, Any]]:
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
@@ -45,8 +69,24 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises several types for a corrupt file
         raise DataError(f"{path}: cannot read Parquet file ({type(e).__name__}: {e})") from None
-    for index, row in enumerate(table.to_pylist()):
+    try:
+        rows = table.to_pylist()
+    except UnicodeDecodeError:  # a string column holding other bytes: pyarrow reads them as is
+        raise _parquet_not_utf8(path, table) from None
+    for index, row in enumerate(rows):
         yield f"{path}: row {index}", row
+
+
+def _parquet_not_utf8(path: Path, table) -> DataError:
+    """The first value of `table` that is not UTF-8, as `file: row N: key 'K': ...`."""
+    for name in table.column_names:
+        column = table.column(name)
+        for index in range(len(column)):
+            try:
+                column[index].as_py()
+            except UnicodeDecodeError as e:
+                return _not_utf8(f"{path}: row {index}: key '{name}'", e.object, e, lines=False)
+    return DataError(f"{path}: not UTF-8")
 
 
 def _row_to_example(where: str, row: Any, prompt_key: str, answer_key: str,

@@ -225,3 +225,11 @@ def test_range_bounds_that_are_allowed(key, value):
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")))
 def test_shipped_configs_pass_the_range_checks(path):
     load_config(path)
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("seed: 1\nname: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"^{path}:2: not UTF-8 \(byte 0xe9\); expected a "
+                                          "UTF-8 YAML file$"):
+        load_config(path)

@@ -112,3 +112,45 @@ def test_build_datasets_from_files(tmp_path):
     tr, ev = build_datasets(DataConfig(source="file", train_path=str(train), eval_fraction=0),
                             seed=0)
     assert len(tr) == 1 and ev == []
+
+
+# ---- text that is not UTF-8: a DataError naming file, line and byte, not a traceback ---------
+def test_jsonl_with_bytes_that_are_not_utf8_names_file_line_and_column(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"question": "ok", "answer": "1"}\n\n'
+                     + '{"question": "caf\u00e9?", "answer": "2"}\n'.encode("latin-1"))
+    with pytest.raises(DataError) as err:
+        load_examples(path)
+    assert str(err.value) == (f"{path}:3: not UTF-8 (byte 0xe9 at column 18); expected UTF-8 "
+                              "text: re-encode the file (e.g. iconv -f latin1 -t utf-8)")
+
+
+def test_parquet_string_with_bytes_that_are_not_utf8_names_row_and_key(tmp_path):
+    path = tmp_path / "bad.parquet"
+    question = pa.array([b"fine?", b"caf\xe9?"], type=pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"question": question, "answer": ["1", "2"]}), path)
+    with pytest.raises(DataError) as err:
+        load_examples(path)
+    assert str(err.value) == (f"{path}: row 1: key 'question': not UTF-8 (byte 0xe9 at column "
+                              "4); expected UTF-8 text: re-encode the file (e.g. iconv -f latin1 "
+                              "-t utf-8)")
+
+
+def test_launcher_refuses_a_file_that_is_not_utf8_with_exit_2(tmp_path):
+    """Through the command line: one line, exit 2 (was a UnicodeDecodeError traceback, exit 1)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[3]
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b'{"question": "\xff", "answer": "1"}\n')
+    proc = subprocess.run([sys.executable, "-m", "launch.submit", "configs/local.yaml",
+                           f"output_dir={tmp_path}", "data.source=file",
+                           f"data.train_path={path}", "--dry-run"], cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (f"data error: {path}:1: not UTF-8 (byte 0xff at column 15); "
+                                   "expected UTF-8 text: re-encode the file (e.g. iconv -f "
+                                   "latin1 -t utf-8)")
