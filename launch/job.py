@@ -36,10 +36,16 @@ def start_local_ray(cfg: Config) -> None:
         return
     needed = cfg.trainer.num_ranks + cfg.rollout.num_engines + 1
     temp = Path(os.environ.get("RL_RAY_TMP", f"/tmp/rl-ray-{os.getpid()}"))
-    ray.init(num_cpus=max(os.cpu_count() or 1, needed),
-             resources={TRAINER_NODE: 1, ROLLOUT_NODE: 1}, include_dashboard=False,
-             _temp_dir=str(temp), log_to_driver=True,
-             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    # Ray's GCS and raylet share this process group and die of a hangup (their default), taking
+    # every actor with them before the driver can checkpoint: they inherit HUP ignored instead.
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        ray.init(num_cpus=max(os.cpu_count() or 1, needed),
+                 resources={TRAINER_NODE: 1, ROLLOUT_NODE: 1}, include_dashboard=False,
+                 _temp_dir=str(temp), log_to_driver=True,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def summary_record(cfg: Config, result) -> dict:

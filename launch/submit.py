@@ -54,12 +54,16 @@ def run_local(cfg, args) -> int:
     # the job to stop, below), the job's task (rl.signals) and, between them, submitit's local
     # controller, which would die of KeyboardInterrupt and leave the job reported failed (exit
     # 1) though its checkpoint was written. Started with SIGINT ignored (inherited across exec),
-    # the controller leaves Ctrl-C to the other two; the task installs its own handler.
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the controller leaves Ctrl-C to the other two; the task installs its own handler. A hangup
+    # (the ssh session dropped) reaches the same group and would kill the controller too: it
+    # and the task inherit HUP ignored, and this launcher forwards it as TERM.
+    hangup_ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN  # nohup: run on
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGHUP)}
     try:
         job = executor.submit(run_local_job, cfg, force=args.force)  # resumes the run dir
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     verbose = cfg.logging.verbose
     print(f"local job {job.job_id} started in {cfg.run_dir.resolve()}: "
           f"{local_description(cfg)} (minutes on a CPU)", flush=True)
@@ -67,16 +71,21 @@ def run_local(cfg, args) -> int:
         print(f"library output (vLLM, Ray, DeepSpeed, ...): {job_log(cfg.run_dir).resolve()} "
               "(logging.verbose=true prints it here)", flush=True)
 
-    def forward(signum, _frame):  # Ctrl-C / TERM: ask the job to checkpoint and stop
+    terminals = [fd for fd in (1, 2) if os.isatty(fd)]
+
+    def forward(signum, _frame):  # Ctrl-C / TERM / HUP: ask the job to checkpoint and stop
         # submitit's local controller forwards SIGTERM to the task, where rl.signals handles it;
         # a local job's id is its controller's process id.
-        print(f"\n{signal.Signals(signum).name}: asking the job to checkpoint and stop", flush=True)
         try:
             os.kill(int(job.job_id), signal.SIGTERM)
         except (OSError, ValueError):  # the job may already be gone
             pass
+        if signum == signal.SIGHUP:  # the terminal is gone: writing to it fails (EIO)
+            detach_terminal(terminals)
+        print(f"\n{signal.Signals(signum).name}: asking the job to checkpoint and stop", flush=True)
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1,
+                *(() if hangup_ignored else (signal.SIGHUP,))):
         signal.signal(sig, forward)
     def stream_err(pos: int) -> int:  # verbose: all of it, as the libraries wrote it
         return (stream_output(job.paths.stderr, pos, out=sys.stderr) if verbose
@@ -122,6 +131,16 @@ def resume_from_or_exit(cfg, step: int, dry_run: bool = False) -> None:
             print(f"--resume-from {step}: moved {moved.name.split('-')[0]} to {moved}", flush=True)
     finally:
         lock.release()
+
+
+def detach_terminal(fds: list[int]) -> None:
+    """Point `fds` (this process's stdout/stderr that were a terminal) at /dev/null, so that
+    following the job to its end after a hangup does not die writing to a terminal that is gone
+    (the job's own output is in its log files)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in fds:
+        os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def run_checks(cfg, args) -> Preflight:

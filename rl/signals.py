@@ -1,10 +1,13 @@
-"""Graceful stop: SIGUSR1, SIGUSR2 and SIGTERM ask the driver to checkpoint and exit.
+"""Graceful stop: SIGUSR1, SIGUSR2, SIGTERM, SIGINT and SIGHUP ask the driver to checkpoint and
+exit.
 
 Slurm sends USR2 (the sbatch's `--signal=USR2@cluster.signal_before_end_s`, submitit's
 preemption signal) before a time limit or, with preempt_send_user_signal, before a preemption;
-`scontrol requeue` and plain preemption send TERM; the local launcher forwards Ctrl-C as TERM and
-USR1 is honoured too. All three mean the same thing: stop
-at the next safe point, save, exit with EXIT_REQUEUE so the Slurm layer requeues the job.
+`scontrol requeue` and plain preemption send TERM; the local launcher forwards Ctrl-C and a
+hangup (HUP: the ssh session dropped) as TERM, and USR1 is honoured too. All mean the same
+thing: stop at the next safe point, save, exit with EXIT_REQUEUE so the Slurm layer requeues the
+job. A process started with HUP ignored (`nohup`) keeps ignoring it: the run outlives the session,
+as asked.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ EXIT_REQUEUE = 75
 EXIT_ABORTED = 3
 """Exit status of a run that aborted (too many non-finite steps) after checkpointing."""
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class StepAbandoned(Exception):
@@ -30,14 +33,15 @@ class StepAbandoned(Exception):
 def shield_worker() -> None:
     """In worker processes (trainer ranks, engines): ignore the stop signals meant for the driver.
 
-    A terminal's Ctrl-C or Slurm's USR1 reaches every process of the group; the workers must stay
-    alive so the driver can still write its checkpoint. (SIGTERM is left alone: it is how a
-    worker is told to go away.)
+    A terminal's Ctrl-C or hangup, or Slurm's USR1, reaches every process of the group; the
+    workers must stay alive so the driver can still write its checkpoint. (SIGTERM is left
+    alone: it is how a worker is told to go away.) Ignored signals stay ignored in the processes
+    a worker starts (vLLM's engine core).
     """
     import threading
     if threading.current_thread() is not threading.main_thread():
         return
-    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
 
 
@@ -48,8 +52,12 @@ class StopRequest:
         self._previous = {}
 
     def install(self) -> "StopRequest":
-        """Idempotent: call it again after `ray.init`, which replaces the SIGTERM handler."""
+        """Idempotent: call it again after `ray.init`, which replaces the SIGTERM handler. A
+        hangup that this process ignores (`nohup`, or the local launcher's job, to which the
+        launcher forwards it as TERM) stays ignored."""
         for sig in STOP_SIGNALS:
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue
             previous = signal.signal(sig, self._handle)
             self._previous.setdefault(sig, previous)
         return self
