@@ -332,7 +332,8 @@ class Checkpointer:
                               "config differs in keys that matter (see above; pass --force to "
                               "override)")
         self.trainer.load(str(path / "trainer"), "ds")
-        driver = torch.load(path / "driver.pt", weights_only=False)
+        from rl.safe_load import load
+        driver = load(path / "driver.pt")
         for c in self.counters:
             c.load_state_dict(driver["state"])
         self.sampler.load_state_dict(driver["sampler"])

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rl import safe_load
 from rl.checkpoint_files import release_files, seal_files, sha256_files
 from rl.config import AlgorithmConfig, SyncConfig, TrainerConfig
 from rl.trainer import losses
@@ -198,7 +199,9 @@ class TrainerWorker:
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optim, lr_scheduler=sched,
                                                config=config, dist_init_required=False)
         buffers_to(engine.module, self.device)
-        engine.checkpoint_engine = RecordingCheckpointEngine(engine.checkpoint_engine)
+        # DeepSpeed loads its files with weights_only=False: resumes go through rl.safe_load
+        engine.checkpoint_engine = RecordingCheckpointEngine(
+            safe_load.SafeCheckpointEngine(engine.checkpoint_engine))
         if self.device.type == "cuda":
             from rl.trainer import alignment
             alignment.install(engine.module)
@@ -531,10 +534,10 @@ class TrainerWorker:
                 raise RuntimeError(f"trainer checkpoint {Path(path) / tag} has no expert shard "
                                    f"for rank {self.rank} ({f.name}): was it written without "
                                    "expert parallelism?")
-            self.ep.load_state_dict(torch.load(f, weights_only=False), f)
+            self.ep.load_state_dict(safe_load.load(f), f)
         rng_file = rank_file(path, tag, "rng", self.rank)
         if rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+            set_rng_state(safe_load.load(rng_file))
         elif "rng" in client:
             # Checkpoints written before the per-rank files kept one copy in client_state: each
             # rank's own under ZeRO-3, rank 0's for every rank under ZeRO 0-2.
