@@ -148,6 +148,8 @@ def run_job(cfg: Config, resume: bool = True, force: bool = False,
     that an early signal is not lost); by default one is installed here."""
     from launch.rundir import RunDirLock
     from rl.console import job_console
+    from rl.private_files import run_dir
+    run_dir(cfg.run_dir)  # 0700, before the lock and the console's log file go there
     with RunDirLock(cfg.run_dir).hold():  # one writer: before anything writes the directory
         with job_console(cfg.run_dir, cfg.logging.verbose):
             return _run_job(cfg, resume, force, stop)

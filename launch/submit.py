@@ -33,6 +33,8 @@ from launch.checks import (Preflight, check_data_or_exit, check_engine_or_exit,
 from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
                            split_config_args, stream_errors, stream_output)
 from launch.rundir import RunDirBusy, RunDirLock, archive_run_dir
+from rl import private_files
+from rl.config import ConfigError
 from rl.console import job_log
 
 
@@ -223,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--no-resume: moved the previous run to {old}; starting over", flush=True)
     except RunDirBusy as e:  # taken since the check above
         fail(str(e))
+    try:
+        private_files.run_dir(cfg.run_dir)  # before submitit makes its folder there
+    except ConfigError as e:
+        fail(f"config error: {e}")
     if cfg.cluster.kind == "local":
         return run_local(cfg, args)
     try:

@@ -18,6 +18,8 @@ the files it wrote (each trainer rank its shards, the driver its own and any fil
 and their directories; the manifest is written last, atomically; the directory is renamed into
 place, its parent fsync'ed, and only then `latest` is replaced. A crash at any point leaves either
 the previous state or the new complete checkpoint, never a half-written one that looks complete.
+Every file of a checkpoint is 0600 and every directory 0700, whatever the umask
+(`rl.private_files`), before it is renamed into place.
 
 Resume (`CheckpointManager.newest_intact`) checks the newest checkpoint first: every listed file
 present with its size, then (`checkpoint.checksums`) its SHA-256, each trainer file hashed by a
@@ -45,6 +47,7 @@ import torch
 from rl.checkpoint_files import (digest_problem, fsync_dir, list_files, release_files, seal_files,
                                  sha256_files, size_problem)
 from rl.config import ConfigError
+from rl.private_files import make_private
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +75,10 @@ def _fsync_dirs(path: Path) -> None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """Replace `path` with `text` atomically, as a file only this user can read (0600)."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with open(fd, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -106,6 +111,7 @@ class CheckpointManager:
                  checksums: bool = True):
         self.root = Path(run_dir) / "checkpoints"
         self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)  # rl.private_files: checkpoints stay private whatever the umask
         self.keep_last, self.keep_every, self.checksums = keep_last, keep_every, checksums
         self.last_seconds: float | None = None
         """How long the last `save` took [s] (the driver keeps that much of a grace period back)."""
@@ -139,6 +145,7 @@ class CheckpointManager:
                         "checksum": "sha256" if self.checksums else None,
                         "files": dict(sorted(files.items()))}
             atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2))
+            make_private(tmp)  # DeepSpeed and torch.save create files by the umask
             _fsync_dirs(tmp)
             if final.exists():  # an older checkpoint of the same step (e.g. re-run after resume)
                 shutil.rmtree(final)

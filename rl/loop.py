@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from rl import private_files
 from rl.checkpoint import Checkpointer
 from rl.config import Config
 from rl.console import say
@@ -89,7 +90,7 @@ def run(cfg: Config, *, resume: bool = True, force: bool = False,
     from rl.cluster.placement import choose_placement, sync_backend
     from rl.sft import warm_start_dir
     sync_backend(cfg, choose_placement(cfg))  # ConfigError now, not after the warm start
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    private_files.run_dir(cfg.run_dir)  # 0700; ConfigError when another user owns it
     setup_logging(cfg.run_dir)
     check_and_save_config(cfg, resume, force)
     model_dir = warm_start_dir(cfg)  # the SFT warm start (cached), when model.warm_start

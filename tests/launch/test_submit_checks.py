@@ -205,7 +205,7 @@ def test_no_resume_moves_the_old_run_aside_and_the_job_resumes(tmp_path, launche
     old = [p for p in tmp_path.iterdir() if p.name.startswith("r.old-")]
     assert len(old) == 1 and (old[0] / "trajectories.h5").read_bytes() == b"old"
     assert (old[0] / "checkpoints" / "step_000004").is_dir()
-    assert not run_dir.exists()
+    assert list(run_dir.iterdir()) == []  # a fresh run directory (made 0700 before the job)
     assert f"--no-resume: moved the previous run to {old[0]}" in capsys.readouterr().out
     # Twice in the same second: a numbered name, nothing overwritten; an empty dir stays.
     from launch.rundir import archive_run_dir
