@@ -35,7 +35,10 @@ def start_local_ray(cfg: Config) -> None:
     if ray.is_initialized():
         return
     needed = cfg.trainer.num_ranks + cfg.rollout.num_engines + 1
-    temp = Path(os.environ.get("RL_RAY_TMP", f"/tmp/rl-ray-{os.getpid()}"))
+    from rl.private_files import temp_dir
+    # Ray's session files and sockets: a fresh 0700 directory, never a predictable /tmp path
+    # someone else could have made first (RL_RAY_TMP: one of yours, checked).
+    temp = temp_dir(os.environ.get("RL_RAY_TMP"), "rl-ray-")
     # Ray's GCS and raylet share this process group and die of a hangup (their default), taking
     # every actor with them before the driver can checkpoint: they inherit HUP ignored instead.
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)

@@ -199,7 +199,19 @@ def _step_env(env: tp.Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in _INHERITED_REQUESTS}
 
 
-def _launch(node: RayNode, args: list[str], run_dir: Path, env: dict[str, str]) -> subprocess.Popen:
+def private_dir_sh(path: Path) -> str:
+    """Shell that makes `path` a directory only this user can use, or exits 1 saying why: made
+    0700 if absent; if present, it must be a directory this user owns, not a symlink (else
+    someone who made it first in the node's shared /tmp could read or replace Ray's session
+    files and sockets)."""
+    d = shlex.quote(str(path))
+    return (f"if [ -L {d} ] || {{ [ -e {d} ] && ! {{ [ -d {d} ] && [ -O {d} ]; }}; }}; then "
+            f"echo \"refusing Ray temp dir {d}: a symlink, not a directory, or not yours\" >&2; "
+            f"exit 1; fi; mkdir -p -m 700 {d} && chmod 700 {d} || exit 1")
+
+
+def _launch(node: RayNode, args: list[str], run_dir: Path, env: dict[str, str],
+            temp_dir: Path) -> subprocess.Popen:
     # Ray's CLI through this interpreter: an install without console scripts beside it (pip
     # --target, as on the GPU machine) has no `ray` executable there.
     ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
@@ -207,8 +219,9 @@ def _launch(node: RayNode, args: list[str], run_dir: Path, env: dict[str, str]) 
     pid_file.unlink(missing_ok=True)
     # The pid lets stop_ray end exactly this process. Slurm sends the job's warning signal
     # (USR1/USR2) to every step: Ray must survive it so the driver can still checkpoint;
-    # SIG_IGN is inherited by every Ray process.
-    inner = f"echo $$ > {shlex.quote(str(pid_file))}; trap '' USR1 USR2; exec \"$0\" \"$@\""
+    # SIG_IGN is inherited by every Ray process. The temp dir is made on the node itself.
+    inner = (f"{private_dir_sh(temp_dir)}; echo $$ > {shlex.quote(str(pid_file))}; "
+             "trap '' USR1 USR2; exec \"$0\" \"$@\"")
     cmd = ["srun", *_step_flags(node, node.num_cpus), f"--job-name=ray-{node.name}",
            "--kill-on-bad-exit=0", "sh", "-c", inner, *ray_cli, *args]
     with open(run_dir / f"ray-{node.name}.log", "ab") as log:
@@ -273,12 +286,13 @@ def start_ray(run_dir: str | Path, *, timeout_s: float = 120.0,
             return Path(temp_root) / f"rlray-{job_id}-{n.name}"
 
         cluster.steps[head.name] = _launch(
-            head, ray_start_args(head, head, temp(head), object_store_bytes), run_dir, env)
+            head, ray_start_args(head, head, temp(head), object_store_bytes), run_dir, env,
+            temp(head))
         wait_for_port(head.ip, head.port_base, cluster.steps[head.name], deadline,
                       f"Ray head on {head.name}", run_dir / f"ray-{head.name}.log")
         for n in nodes[1:]:
             cluster.steps[n.name] = _launch(
-                n, ray_start_args(n, head, temp(n), object_store_bytes), run_dir, env)
+                n, ray_start_args(n, head, temp(n), object_store_bytes), run_dir, env, temp(n))
         connect(cluster)
         wait_for_nodes(cluster, deadline)
     except BaseException:
