@@ -6,6 +6,7 @@ hanging silently.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import random
@@ -186,6 +187,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def tcp_store(host: str, port: int, world_size: int, is_master: bool,
+              timeout: datetime.timedelta, wait_for_workers: bool = True):
+    """A torch TCPStore (a rendezvous) whose server listens on `host` alone.
+
+    torch's own server listens on every interface of the master (`*:port`), open to anyone who
+    can reach the machine; handed a socket already bound to the job's address
+    (`master_listen_fd`, which the libuv and the classic backends both take) it listens there
+    only. The store owns that socket from then on. Clients connect as before."""
+    import torch.distributed as dist
+    fd = None
+    if is_master:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(socket.SOMAXCONN)
+        except BaseException:
+            sock.close()
+            raise
+        fd = sock.detach()
+    return dist.TCPStore(host, port, world_size, is_master, timeout,
+                         wait_for_workers=wait_for_workers, master_listen_fd=fd)
 
 
 def node_ip() -> str:

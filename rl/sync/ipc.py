@@ -9,8 +9,10 @@ OpenRLHF use to hand a colocated vLLM its buckets) on a GPU, a file in /dev/shm 
 differ only in `_share` / `_open`; the protocol is one code path, which is what lets the CPU tests
 run the GPU's.
 
-The handshake and the signals go over a TCPStore hosted by rank 0; update `r`'s keys start with
-`r{r}/`, a constant number of them per update (deleted after it):
+The handshake and the signals go over a TCPStore hosted by rank 0 (the runtime puts it on
+loopback: every peer is on this host); its values are unpickled through an allowlist
+(`_StoreValues`), so a process that connects to it cannot make a peer run code. Update `r`'s
+keys start with `r{r}/`, a constant number of them per update (deleted after it):
   connect  rank 0 publishes its host, device and pid; each receiver checks that it is on the same
            host and device (else SyncError naming both) and answers with its pid.
   header   (version, num_buckets, total_bytes, verify, staging id, staging handles)
@@ -26,6 +28,7 @@ construction): one that dies mid-update is a SyncError at once, not after `sync.
 """
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import socket
@@ -81,6 +84,28 @@ def alive(pid: int) -> bool:
             return True
         return True
     return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+class _StoreValues(pickle.Unpickler):
+    """Unpickles what this protocol puts in the store (dicts, tuples, numbers, strings, bytes
+    and a CUDA IPC handle's torch.Tensor / Size / storage classes and dtype) and nothing else:
+    a process that connected to the store cannot make a peer run code by writing a key."""
+    _ALLOWED = {("torch", "Tensor"), ("torch", "Size"), ("torch.storage", "TypedStorage"),
+                ("torch.storage", "UntypedStorage")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self._ALLOWED or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of the weight-sync protocol")
+
+
+def _loads(data: bytes):
+    try:
+        return _StoreValues(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
+        raise SyncError(f"weight sync over ipc: a value in the store is not the protocol's "
+                        f"({e}): another process wrote to the store?") from e
 
 
 def _shm_dir() -> str:
@@ -158,7 +183,7 @@ class IpcGroup:
     def _get(self, key: str, what: str, round_: int | None = None):
         """The value of `key` once someone set it."""
         self._await(lambda: self.store.check([key]), what, round_)
-        return pickle.loads(self.store.get(key))
+        return _loads(self.store.get(key))
 
     def _await_count(self, key: str, at_least: int, what: str, round_: int) -> None:
         self._await(lambda: self.store.add(key, 0) >= at_least, what, round_)

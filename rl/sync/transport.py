@@ -72,10 +72,12 @@ def resolve_backend(backend: str, device: str | torch.device) -> str:
 
 def rendezvous(host: str, port: int, world_size: int, rank: int, timeout_s: float
                ) -> dist.TCPStore:
-    """The group's own store, hosted by rank 0; raises SyncError on timeout."""
+    """The group's own store, hosted by rank 0 and listening on `host` alone (not every
+    interface: `rl.cluster.groups.tcp_store`); raises SyncError on timeout."""
+    from rl.cluster.groups import tcp_store
     try:
-        return dist.TCPStore(host, port, world_size, is_master=(rank == 0),
-                             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=True)
+        return tcp_store(host, port, world_size, rank == 0,
+                         datetime.timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001 - the store reports timeouts as several error types
         raise SyncError(f"weight-sync rendezvous at {host}:{port} failed for rank {rank}/"
                         f"{world_size} within {timeout_s:.0f}s: {e}") from e

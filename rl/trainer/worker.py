@@ -159,7 +159,14 @@ class TrainerWorker:
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if not dist.is_initialized():
-            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+            # The rendezvous store listens on the master's address only (torch's env://
+            # rendezvous listens on every interface).
+            from rl.cluster.groups import tcp_store
+            store = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              self.world_size, self.rank == 0,
+                              dist.constants.default_pg_timeout)
+            dist.init_process_group(backend, store=store, rank=self.rank,
+                                    world_size=self.world_size)
         bf16 = self.dtype == torch.bfloat16
         config = ds_config(self.cfg, bf16)
         # The frozen reference is loaded before ZeRO-3's load-time partitioning is switched on: it
