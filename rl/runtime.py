@@ -196,8 +196,8 @@ class Runtime:
         """(Re)build the weight group: trainer rank 0 is rank 0; the engines follow, each taking
         as many ranks as it has workers (tensor parallel engines receive on every worker)."""
         host, port = self.trainer.sync_address()
-        if self.sync_backend == "ipc":  # one host by construction: the store listens on loopback
-            host = "127.0.0.1"
+        if self.sync_backend == "ipc" or self.cfg.cluster.kind == "local":
+            host = "127.0.0.1"  # every peer on this host: the store listens on loopback only
         sizes = self.rollout.num_sync_ranks()
         world = 1 + sum(sizes)
         futures = [self.trainer.init_weight_sync_async(host, port, world, self.sync_backend)]
