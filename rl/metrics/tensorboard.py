@@ -23,12 +23,13 @@ log = logging.getLogger(__name__)
 
 TENSORBOARD_SUBDIR = "tensorboard"
 
-# tag -> description (units in brackets). Every tag the loop writes is listed here; the README
-# table is generated from it by `markdown_table()`.
+# tag -> description (units in brackets). Every tag the loop writes is listed here; the table in
+# docs/monitoring.md is `markdown_table()`'s output (tests/rl/test_metrics.py compares them).
 METRIC_TAGS: dict[str, str] = {
     "reward/mean": "Mean reward over all samples of the step's rollout batch.",
     "reward/std": "Std of the rewards over the step's rollout batch.",
-    "reward/failures": "Samples whose reward function raised or timed out (scored 0) [count].",
+    "reward/failures": "Samples whose reward function raised, exited, crashed its worker, returned "
+                       "a non-number or timed out, scored 0 (cumulative count).",
     "reward/zero_std_frac": "Fraction of prompt groups with identical rewards (zero advantage).",
     "reward/format": "Mean format reward of the step's rollout batch, before reward.format_weight "
                      "(1 = the answer in the expected form).",
@@ -126,7 +127,8 @@ _TAG_RE = re.compile(r"^[a-z0-9_]+/[a-z0-9_]+$")
 
 
 def markdown_table() -> str:
-    """The README table of METRIC_TAGS: a header and one `| tag | meaning |` row per tag."""
+    """docs/monitoring.md's table of METRIC_TAGS: a header and one `| tag | meaning |` row per
+    tag."""
     lines = ["| tag | meaning |", "| --- | --- |"]
     lines += [f"| `{tag}` | {desc} |" for tag, desc in METRIC_TAGS.items()]
     return "\n".join(lines) + "\n"

@@ -45,6 +45,18 @@ def test_metric_table_documents_required_tags():
     assert all(desc.strip() for desc in METRIC_TAGS.values())
 
 
+def test_monitoring_doc_shows_the_code_tables():
+    # docs/monitoring.md carries markdown_table() verbatim, every histogram tag, and the
+    # trajectory schema rows of rl/metrics/trajectories.py's docstring
+    import rl.metrics.trajectories as trajectories
+    from rl.metrics.tensorboard import HISTOGRAM_TAGS
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "monitoring.md").read_text()
+    assert markdown_table() in doc
+    assert all(f"`{tag}` ({desc})" in doc for tag, desc in HISTOGRAM_TAGS.items())
+    rows = [line for line in trajectories.__doc__.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 15 and all(row in doc for row in rows)
+
+
 def test_log_and_read_back(tmp_path):
     with MetricsLogger(tmp_path, strict=True) as m:
         for step in range(3):
