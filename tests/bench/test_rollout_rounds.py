@@ -1,5 +1,5 @@
 """bench.rollout's rounds: every engine is called once per round, the order rotated, so that
-the ratios README reports pair calls made side by side."""
+the ratios docs/performance.md reports pair calls made side by side."""
 from types import SimpleNamespace
 
 import pytest

@@ -1,7 +1,7 @@
 """Our own GSM8K- and MATH-format files through `python -m launch.submit` on the vLLM engine.
 
-The slow runs use only command-line overrides of configs/local.yaml (what README's "Your own
-dataset" shows). Their prompts (up to ~300 tokens) overflow vLLM-CPU's batched-token budget in
+The slow runs use only command-line overrides of configs/local.yaml (what docs/data.md
+shows). Their prompts (up to ~300 tokens) overflow vLLM-CPU's batched-token budget in
 one rollout or evaluation batch: before chunked prefill was turned off on CPU, the run died at
 the first evaluation with `RuntimeError: CPU Generator does not use offset`.
 """
@@ -17,7 +17,7 @@ from rl.data import load_examples
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"
-MAX_PROMPT_TOKENS = 320  # README's example; every committed prompt fits whole
+MAX_PROMPT_TOKENS = 320  # docs/data.md's example; every committed prompt fits whole
 KEYS = {"gsm8k": ("question", "answer"), "math": ("problem", "solution")}
 
 

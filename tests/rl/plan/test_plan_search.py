@@ -35,8 +35,8 @@ def test_3node_config_is_the_fastest_layout_with_5pct_headroom(v4_layouts):
     for figure in (f"estimated {_fmt(best.step_s)} a step", f"would take {_fmt(fastest.step_s)}",
                    f"needs {leanest.use['trainer GPU']:.1%} of a trainer GPU"):
         assert figure in text, figure
-    # and so do README and docs/layout_search.md
-    for doc in ("README.md", "docs/layout_search.md"):
+    # and so do docs/planner.md and docs/layout_search.md
+    for doc in ("docs/planner.md", "docs/layout_search.md"):
         text = " ".join((ROOT / doc).read_text().split())
         for figure in (_fmt(best.step_s), _fmt(fastest.step_s)):
             assert figure in text, (doc, figure)

@@ -98,10 +98,10 @@ def test_submit_check_prints_the_estimate_in_one_line(capsys):
     assert "rollout " in err[0] and "train " in err[0] and "sync " in err[0]
 
 
-def test_readme_shows_the_estimate_the_planner_prints():
-    readme = (plan_time.RESULTS.parents[1] / "README.md").read_text()
-    start = readme.index("```text\nStep time estimate") + len("```text\n")
-    shown = readme[start:readme.index("```", start)].rstrip("\n")
+def test_planner_doc_shows_the_estimate_the_planner_prints():
+    doc = (plan_time.RESULTS.parents[1] / "docs" / "planner.md").read_text()
+    start = doc.index("```text\nStep time estimate") + len("```text\n")
+    shown = doc[start:doc.index("```", start)].rstrip("\n")
     report = check(load_config([V4], [])).report
     assert shown in report
 
