@@ -267,7 +267,7 @@ def start_ray(run_dir: str | Path, *, timeout_s: float = 120.0,
     Raises:
         RayClusterError naming the nodes that did not join (and their logs).
     """
-    import ray
+    import ray  # noqa: F401  (fails here, before any node starts, where Ray is missing)
 
     run_dir = Path(run_dir).absolute()
     if slurm_env("job_id") is None:

@@ -261,7 +261,7 @@ class TrainerWorker:
             for mb in mbs:
                 if self.replay is not None:
                     old_logp[id(mb)] = self.replay.old_pass(
-                        lambda: self._forward_logprobs(self.engine.module, mb, False)[0], mb)
+                        lambda: self._forward_logprobs(self.engine.module, mb, False)[0], mb)  # noqa: B023
                 else:
                     old_logp[id(mb)], _ = self._forward_logprobs(self.engine.module, mb, False)
                 if self.ref_model is not None:
@@ -282,7 +282,7 @@ class TrainerWorker:
         skipped = 0
         num_tokens = 0
         rng = random.Random(step * 7919 + 17)
-        for epoch in range(self.cfg.ppo_epochs):
+        for _epoch in range(self.cfg.ppo_epochs):
             order = list(range(len(mbs)))
             rng.shuffle(order)  # same permutation on every rank (same seed)
             # Fewer micro-batches than mini-batches leaves some splits empty: an optimizer step
@@ -293,7 +293,7 @@ class TrainerWorker:
                 group = [mbs[i] for i in group]
                 denom = self._global_denominator(group)
                 finite = True
-                for j, mb in enumerate(group):
+                for mb in group:
                     # Replay spans forward and backward (activation checkpointing re-runs the
                     # forward inside backward).
                     replaying = contextlib.ExitStack()

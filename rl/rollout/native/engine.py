@@ -209,8 +209,8 @@ class NativeEngine:
         moe = [i for i in range(self.shape.layers) if self.shape.is_moe[i]]
         want = sp.return_routing and bool(moe)
         # Routing of the prompt (prefill) and of each decode step's input token (R - 1 of them).
-        rows_NK = (lambda r: torch.stack([r[i] for i in moe], 1).view(bb, -1, len(moe),
-                                                                       self.shape.top_k))
+        def rows_NK(r):
+            return torch.stack([r[i] for i in moe], 1).view(bb, -1, len(moe), self.shape.top_k)
         pre = rows_NK(self.model.routes) if want else None
         dec = []
         tok, lp = sample_tokens(self.model.logits(h, fp32=False), sp, gen)
@@ -365,7 +365,7 @@ class NativeEngine:
         if self._jobs is not None and self._jobs[0] == key:
             return self._jobs[1]
         jobs = []
-        for i, bucket in enumerate(plan.buckets):
+        for bucket in plan.buckets:
             dsts, srcs, slow = [], [], set()
             by_name = {s.name: s for s in bucket.slots}
             for s in bucket.slots:

@@ -551,7 +551,7 @@ if triton is not None:
         tl.store(lp_ptr + row, tl.load(x_ptr + row * stride + tok).to(tl.float32) - lse)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, y_ptr, s_ptr, M, I, M_PAD, BLOCK: tl.constexpr,
+    def _silu_mul_kernel(x_ptr, y_ptr, s_ptr, M, I, M_PAD, BLOCK: tl.constexpr,  # noqa: E741
                          QUANT: tl.constexpr, EXACT: tl.constexpr):
         """Columns [c * BLOCK, (c + 1) * BLOCK) of row `row`; QUANT: as 1x128 e4m3 blocks
         (BLOCK a multiple of 128) with column-major scales, like `_rmsnorm_kernel`."""
