@@ -1065,7 +1065,7 @@ def _read_yaml(path: str | Path) -> dict:
     return data
 
 
-def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str] = ()) -> Config:
+def load_config(paths: str | Path | typing.Sequence[str | Path] | None, overrides: typing.Sequence[str] = ()) -> Config:
     """Load one YAML file or several layered ones (later files win), apply the dotted
     `overrides` (they win over every file), then validate the result once, so cross-field
     checks see the final values whatever the order of the overrides. Raises ConfigError naming

@@ -365,7 +365,7 @@ def _deepseek_v4(c: dict, src: str) -> Arch:
     tensors += tail[:1] + [Tensor("model.hc_head.hc_fn", (hc, hc * hidden), 1),
                            Tensor("model.hc_head.hc_base", (hc,), 1),
                            Tensor("model.hc_head.hc_scale", (1,), 1)] + tail[1:]
-    notes = ()
+    notes: tuple[str, ...] = ()
     if c.get("n_shared_experts", 1) != 1:
         notes = (f"n_shared_experts={c['n_shared_experts']}: counted as one shared MLP, "
                  "as transformers builds it",)

@@ -150,7 +150,7 @@ class RewardComputer:
                      cancelled: Callable[[], bool] | None) -> list[Outcome]:
         if self.pool is not None:
             return self.pool.map(calls, cancelled)
-        out = []
+        out: list[Outcome] = []
         for done, call in enumerate(calls):
             if cancelled is not None and cancelled():
                 raise StepAbandoned(f"stop requested while scoring ({done} of {len(calls)} "

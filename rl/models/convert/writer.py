@@ -167,7 +167,9 @@ def _convert_shard(src: Source, reader: _Reader, shard_no: int, shard: str, targ
                    experts: str, out_dir: Path, max_shard_bytes: int) -> dict:
     """Write the parts of one input shard; returns its manifest entry (no files when the
     target keeps none of its tensors)."""
-    files, part, size = {}, {}, 0
+    files: dict[str, dict] = {}
+    part: dict[str, torch.Tensor] = {}
+    size = 0
     weight_map: dict[str, str] = {}
 
     def flush():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 
@@ -24,7 +25,7 @@ from rl.quant.block_fp8 import (
 )
 from rl.quant.fast_quant import quantize_weight_fast
 
-Piece = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+Piece: TypeAlias = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """A full-precision (rows, K) tensor, or an FP8 pair (uint8/e4m3 (rows, K), scales)."""
 
 
