@@ -313,7 +313,7 @@ class TrajectoryReader:
         return out
 
     def step_summaries(self) -> list[StepSummary]:
-        steps, reward = self.column("step"), self.column("reward").astype(np.float64)
+        steps, reward = self.column("step"), self.column("reward").astype(np.float64)  # type: ignore[var-annotated]  # lint baseline (issue 39)
         length, version = self.column("response_length"), self.column("weight_version")
         truncated = self.column("finish_reason") == self.finish_reasons.index("length")
         out = []

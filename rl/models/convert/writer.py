@@ -88,7 +88,7 @@ class _Reader:
     """Tensors by name across shards (memory-mapped; one tensor is materialised at a time)."""
 
     def __init__(self, src: Source):
-        self.src, self._open = src, {}
+        self.src, self._open = src, {}  # type: ignore[var-annotated]  # lint baseline (issue 39)
 
     def get(self, name: str) -> torch.Tensor:
         shard = self.src.weight_map[name]

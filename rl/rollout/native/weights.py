@@ -80,7 +80,7 @@ class LinearSlot:
                 self.scale.copy_(piece[1])
                 return
             if self.fp8:
-                quantize_weight_fast(piece.to(self.w.device), self.pow2, out=self.w,
+                quantize_weight_fast(piece.to(self.w.device), self.pow2, out=self.w,  # type: ignore[union-attr]  # lint baseline (issue 39)
                                      scale_out=self.scale)
                 return
             for e in range(self.shape[0]):
