@@ -45,5 +45,11 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not slurm" $(PYTEST_ARGS)
 
+# ruff (bug-finding rules, no formatting) and mypy over the packages; settings in pyproject.toml.
+# mypy skips torch, vLLM, Ray and the other heavy libraries: a cold run takes seconds.
+lint: setup
+	$(PY) -m ruff check rl launch slurm
+	$(PY) -m mypy
+
 clean-venv:
 	rm -rf $(VENV)

@@ -175,7 +175,7 @@ def _check_answer_marker(cfg: Config) -> None:
         return
     from rl.rollout.base import decode_response
     ids = tokenizer.encode(marker, add_special_tokens=False)
-    if marker not in decode_response(tokenizer, ids, "length"):
+    if marker not in decode_response(tokenizer, ids, "length"):  # type: ignore[operator]  # lint baseline (issue 39)
         raise ConfigError(f"reward.answer_after: got {marker!r}, but the run's tokenizer drops "
                           "it when decoding responses (a special token), so every response "
                           "would score 0; expected text the responses keep, such as '</think>'")
@@ -238,7 +238,7 @@ def check_engine_or_exit(cfg: Config, probe: bool = True) -> str | None:
         return None
     if cfg.model.path is None:
         from rl.models.presets import preset_config
-        kind = preset_config(cfg.model.preset, 128).model_type
+        kind = preset_config(cfg.model.preset, 128).model_type  # type: ignore[arg-type]  # lint baseline (issue 39)
     else:
         config = Path(cfg.model.path) / "config.json"
         kind = json.loads(config.read_text()).get("model_type") if config.is_file() else None

@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from rl.config import Config, ConfigError, load_config
 
@@ -52,7 +53,7 @@ def load_or_exit(paths: str | list[str], overrides: list[str]) -> Config:
         fail(f"config error: {e}")
 
 
-def fail(message: str, code: int = EXIT_USAGE):
+def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     print(message.splitlines()[0] if message else "error", file=sys.stderr, flush=True)
     raise SystemExit(code)
 

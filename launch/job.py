@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from launch.common import EXIT_USAGE
 from rl.cluster.groups import ROLLOUT_NODE, TRAINER_NODE
@@ -51,7 +52,11 @@ def start_local_ray(cfg: Config) -> None:
         signal.signal(signal.SIGHUP, previous)
 
 
-def summary_record(cfg: Config, result) -> dict:
+if TYPE_CHECKING:  # rl.loop imports torch: only the type checker reads it here
+    from rl.loop import RunResult
+
+
+def summary_record(cfg: Config, result: RunResult) -> dict:
     """The machine-readable summary (the job's return value and RUN_DIR/summary.json); `gain` is
     the mean of the last evaluations minus the warm start, in accuracy (0.15 = 15 points)."""
     ws, mean = result.warm_start_accuracy, result.final_mean_accuracy
@@ -62,7 +67,7 @@ def summary_record(cfg: Config, result) -> dict:
             "gain": None if ws is None or mean is None else mean - ws}
 
 
-def summary(cfg: Config, result) -> str:
+def summary(cfg: Config, result: RunResult) -> str:
     run_dir = Path(result.run_dir).resolve()
     rec = summary_record(cfg, result)
     fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731

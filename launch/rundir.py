@@ -162,7 +162,7 @@ class RunDirLock:
 
     def _try_flock(self) -> bool:
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # type: ignore[arg-type]  # lint baseline (issue 39)
             return True
         except OSError as e:
             if e.errno in (errno.EWOULDBLOCK, errno.EACCES):

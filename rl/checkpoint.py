@@ -40,7 +40,7 @@ import time
 import uuid
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
+from typing import AbstractSet, Callable
 
 import torch
 
@@ -184,8 +184,8 @@ class CheckpointManager:
         # written a checkpoint at or past its step: at that size (~4 TB for V4-Flash) it is
         # space the next saves need.
         for d in (self.root / DAMAGED).glob("step_*"):
-            if _step_of(d.name) is not None and _step_of(d.name) <= saved_step:
-                log.info("removing %s: step %d has been written again", d, _step_of(d.name))
+            if (at := _step_of(d.name)) is not None and at <= saved_step:
+                log.info("removing %s: step %d has been written again", d, at)
                 shutil.rmtree(d, ignore_errors=True)
 
     # ---- reading ---------------------------------------------------------------------------
@@ -199,7 +199,7 @@ class CheckpointManager:
     def step_dirs(self) -> list[Path]:
         """The step directories, newest (highest step) first."""
         dirs = [d for d in self.root.glob("step_*") if d.is_dir() and _step_of(d.name) is not None]
-        return sorted(dirs, key=lambda d: _step_of(d.name), reverse=True)
+        return sorted(dirs, key=lambda d: _step_of(d.name) or 0, reverse=True)  # all numbered
 
     def check(self, path: Path, digests: Callable[[Path, dict], dict[str, str]] | None = None
               ) -> tuple[dict | None, str | None]:
@@ -229,6 +229,7 @@ class CheckpointManager:
         for d in self.step_dirs():
             manifest, why = self.check(d)
             if why is None:
+                assert manifest is not None  # `check` gives one of the two
                 return d, manifest
             log.warning("skipping checkpoint %s: %s", d.name, why)
         for tmp in self.root.glob(".tmp-step_*"):
@@ -245,6 +246,7 @@ class CheckpointManager:
         for d in self.step_dirs():
             manifest, why = self.check(d, digests)
             if why is None:
+                assert manifest is not None  # `check` gives one of the two
                 for bad, _ in skipped:
                     self._set_aside(bad)
                 if "files" not in manifest:
@@ -267,7 +269,8 @@ class CheckpointManager:
     def set_aside_after(self, step: int) -> list[Path]:
         """Move every checkpoint newer than `step` to `abandoned/` and point `latest` at
         `step` (`launch.submit --resume-from`); returns where they went. Nothing is deleted."""
-        moved = [self._set_aside(d, ABANDONED) for d in self.step_dirs() if _step_of(d.name) > step]
+        moved = [self._set_aside(d, ABANDONED) for d in self.step_dirs()
+                 if (_step_of(d.name) or 0) > step]
         atomic_write_text(self.root / "latest", step_dir_name(step) + "\n")
         return moved
 
@@ -308,7 +311,7 @@ class Checkpointer:
     RNGs. Each component has `state_dict()` and `load_state_dict(d)`."""
 
     def __init__(self, cfg, trainer, counters: list, sampler, pending, config_hash: str,
-                 accepted_hashes: set[str] = frozenset()):
+                 accepted_hashes: AbstractSet[str] = frozenset()):
         self.cfg, self.trainer, self.config_hash = cfg, trainer, config_hash
         self.accepted_hashes = set(accepted_hashes)
         """Other config hashes a checkpoint may carry (`rl.resume.resume_hashes`: the one older

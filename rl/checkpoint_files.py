@@ -132,7 +132,7 @@ def release_files(error: BaseException) -> None:
     be removed at all (NFS keeps the open file as .nfsXXXX). Clears the traceback's finished
     frames (their line numbers stay for the report)."""
     seen: set[int] = set()
-    stack = [error]
+    stack: list[BaseException | None] = [error]
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:

@@ -912,7 +912,7 @@ def _convert(value: Any, tp: Any, where: str, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise _Mismatch
-        return _build(tp, value, where, key)
+        return _build(tp, value, where, key)  # type: ignore[arg-type]  # lint baseline (issue 39)
     if origin is Literal:
         if value in typing.get_args(tp) and type(value) in {type(a) for a in typing.get_args(tp)}:
             return value
@@ -985,7 +985,7 @@ def _build(cls: type, data: dict, where: "str | typing.Callable[[str], str]",
             raise ConfigError(f"{_source(where, full)}:{full}: unknown key{hint}; valid keys: "
                               f"{', '.join(names)}")
         try:
-            kwargs[key] = _convert(value, hints[key], where, full)
+            kwargs[key] = _convert(value, hints[key], where, full)  # type: ignore[arg-type]  # lint baseline (issue 39)
         except _Mismatch:
             raise ConfigError(f"{_source(where, full)}:{full}: got {value!r}, expected "
                               f"{_type_name(hints[key])}") from None
@@ -1058,14 +1058,14 @@ def _read_yaml(path: str | Path) -> dict:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark else ""
+        line = f":{mark.line + 1}" if mark else ""  # type: ignore[assignment]  # lint baseline (issue 39)
         raise ConfigError(f"{path}{line}: invalid YAML ({getattr(e, 'problem', e)})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     return data
 
 
-def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str] = ()) -> Config:
+def load_config(paths: str | Path | typing.Sequence[str | Path] | None, overrides: typing.Sequence[str] = ()) -> Config:
     """Load one YAML file or several layered ones (later files win), apply the dotted
     `overrides` (they win over every file), then validate the result once, so cross-field
     checks see the final values whatever the order of the overrides. Raises ConfigError naming

@@ -114,8 +114,8 @@ class JobConsole:
     def say(self, text: str) -> None:
         with self._lock:
             self._forward()  # what the log received first is shown first
-            self._out.write(text + "\n")
-            self._out.flush()
+            self._out.write(text + "\n")  # type: ignore[union-attr]  # lint baseline (issue 39)
+            self._out.flush()  # type: ignore[union-attr]  # lint baseline (issue 39)
             sys.stdout.write(text + "\n")
             sys.stdout.flush()
 

@@ -14,7 +14,7 @@ class Evaluator:
     """The periodic held-out evaluation: when it is due, running it (with engine recovery), and
     the evaluation a stop skipped, which the resumed run owes (`pending`)."""
 
-    def __init__(self, cfg, source, rollout, publisher, reward_pool=None):
+    def __init__(self, cfg, source, rollout, publisher, reward_pool=None) -> None:
         """`source`: `rl.data.source.PromptSource`; `rollout`: `rl.cluster.facades.RolloutGroup`;
         `publisher`: `rl.publisher.WeightPublisher`; `reward_pool`: the training rewards'
         `rl.rewards.RewardPool`, shared (None: this evaluator starts its own)."""

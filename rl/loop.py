@@ -15,6 +15,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -38,10 +39,17 @@ from rl.trainer.losses import grpo_advantages
 
 log = logging.getLogger(__name__)
 
+RunStatus = Literal["done", "stopped", "aborted"]
+"""How a run ended: `done`, `stopped` (signal; checkpointed) or `aborted` (non-finite steps;
+checkpointed). The launcher's outcome dict (`launch.job.exit_status`) adds its own statuses."""
+StepOutcome = Literal["trained", "abandoned", "aborted"]
+"""How one step ended: `trained`, `abandoned` (a stop before training: nothing changed) or
+`aborted` (too many non-finite steps in a row; checkpointed)."""
+
 
 @dataclass(slots=True)
 class RunResult:
-    status: str
+    status: RunStatus
     """`done`, `stopped` (signal; checkpointed) or `aborted` (non-finite steps; checkpointed)."""
     step: int
     run_dir: str
@@ -187,7 +195,7 @@ class Run:
             read_metrics_jsonl(cfg.run_dir / "metrics.jsonl"))
         return result
 
-    def step(self, step: int, result: RunResult) -> str:
+    def step(self, step: int, result: RunResult) -> StepOutcome:
         """One RL step: `trained`, `abandoned` (a stop before training: nothing changed) or
         `aborted` (too many non-finite steps in a row; checkpointed)."""
         cfg, state, stop, pipe = self.cfg, self.state, self.stop, self.pipeline

@@ -60,11 +60,11 @@ class Recorder:
 
     def log(self, step: int, metrics: dict) -> None:
         """TensorBoard only (metrics.jsonl holds one row per step: `record`)."""
-        self.tensorboard.log(step, metrics)
-        self.tensorboard.flush()
+        self.tensorboard.log(step, metrics)  # type: ignore[union-attr]  # lint baseline (issue 39)
+        self.tensorboard.flush()  # type: ignore[union-attr]  # lint baseline (issue 39)
 
     def histogram(self, step: int, tag: str, values) -> None:
-        self.tensorboard.histogram(step, tag, values)
+        self.tensorboard.histogram(step, tag, values)  # type: ignore[union-attr]  # lint baseline (issue 39)
 
     def record(self, step: int, metrics: dict, batch=None, parts=None, advantages=None,
                old_logprobs=None, lags=None) -> None:

@@ -111,7 +111,7 @@ class Runtime:
             cfg.trainer.num_ranks, cfg.rollout.num_engines, gpus, egpus,
             trainer_nodes=cfg.cluster.num_nodes("trainer"),
             rollout_nodes=cfg.cluster.num_nodes("rollout"))
-        self._pgs = []
+        self._pgs: list = []  # placement groups (Ray only)
         self.restarts = 0
         self.abandoned = False
         """A generation was given up on (stop request): engines may still be busy with it."""
@@ -223,9 +223,9 @@ class Runtime:
                                   f"rollout-{i}-{os.getpid()}-{time.time_ns() % 10**9}")
             new.call("pid").result(timeout=self.cfg.cluster.placement_timeout_s)
             return new
-        (new,) = start_proc_group(GroupSpec(self.rollout_spec.name, 1, self.rollout_spec.bundle),
+        (new,) = start_proc_group(GroupSpec(self.rollout_spec.name, 1, self.rollout_spec.bundle),  # type: ignore[assignment]  # lint baseline (issue 39)
                                   EngineHost, lambda _k: self._engine_args(i), self._env("rollout"))
-        new.ready.result()
+        new.ready.result()  # type: ignore[attr-defined]  # lint baseline (issue 39)
         return new
 
     def restart_dead_engines(self, version: int) -> int:

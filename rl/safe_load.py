@@ -39,10 +39,10 @@ def safe_globals() -> list:
     try:
         from numpy._core.multiarray import _reconstruct  # numpy >= 2
     except ImportError:  # pragma: no cover - numpy 1.x
-        from numpy.core.multiarray import _reconstruct
-    dtypes = {type(np.dtype(t)) for t in (np.bool_, np.uint8, np.uint16, np.uint32, np.uint64,
-                                          np.int8, np.int16, np.int32, np.int64, np.float16,
-                                          np.float32, np.float64)}
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    dtypes: set[type] = {type(np.dtype(t)) for t in (np.bool_, np.uint8, np.uint16, np.uint32,
+                                                     np.uint64, np.int8, np.int16, np.int32, np.int64,
+                                                     np.float16, np.float32, np.float64)}
     out: list = [_reconstruct, (_reconstruct, "numpy.core.multiarray._reconstruct"),
                  np.ndarray, np.dtype, *sorted(dtypes, key=lambda t: t.__name__)]
     try:

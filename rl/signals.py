@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +47,10 @@ def shield_worker() -> None:
 
 
 class StopRequest:
-    def __init__(self):
+    def __init__(self) -> None:
         self.signal_name: str | None = None
         self.received_at: float | None = None
-        self._previous = {}
+        self._previous: dict[int, Any] = {}  # signal -> the handler it replaced
 
     def install(self) -> "StopRequest":
         """Idempotent: call it again after `ray.init`, which replaces the SIGTERM handler. A

@@ -159,7 +159,7 @@ def use_token_in_this_process(token_path: Path) -> None:
     `_enable_token_auth` does.
     """
     os.environ.update(auth_env(token_path))
-    from ray._raylet import AuthenticationTokenLoader, Config
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]  # lint baseline (issue 39)
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
@@ -267,12 +267,13 @@ def start_ray(run_dir: str | Path, *, timeout_s: float = 120.0,
     Raises:
         RayClusterError naming the nodes that did not join (and their logs).
     """
-    import ray
+    import ray  # noqa: F401  (fails here, before any node starts, where Ray is missing)
 
     run_dir = Path(run_dir).absolute()
-    if slurm_env("job_id") is None:
+    job_id_text = slurm_env("job_id")
+    if job_id_text is None:
         raise RayClusterError("SLURM_JOB_ID is not set: not inside a Slurm allocation?")
-    job_id = int(slurm_env("job_id"))
+    job_id = int(job_id_text)
     nodes = plan_nodes(het_group_nodes(), job_id, cpus_per_group, port_base)
     head = nodes[0]
     token_path = write_token(run_dir)

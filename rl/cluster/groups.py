@@ -99,9 +99,7 @@ def start_ray_group(spec: GroupSpec, cls, args_for, timeout_s: float,
     """Create one placement group for `spec` and one actor per bundle; `args_for(i)` gives
     (args, kwargs) of actor i. `on_placed(pg)`, if given, runs once the group is placed and
     before any actor exists (e.g. to learn where bundle 0 landed)."""
-    import ray
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     pg = placement_group([dict(spec.bundle)] * spec.num_actors, strategy=spec.strategy,
                          name=f"{spec.name}-{os.getpid()}")

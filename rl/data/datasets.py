@@ -25,7 +25,7 @@ def build_datasets(cfg: DataConfig, seed: int) -> tuple[list[Example], list[Exam
     if cfg.source == "synthetic":
         return make_synthetic(cfg.synthetic, seed)
     assert cfg.train_path is not None  # DataConfig validates this for source: file
-    keys = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
+    keys: dict[str, Any] = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                 answer_format=cfg.answer_format)
     train = load_examples(cfg.train_path, **keys)
     if cfg.eval_path is not None:

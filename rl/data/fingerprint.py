@@ -31,7 +31,7 @@ def data_fingerprint(cfg: DataConfig, seed: int) -> dict:
     `data.eval_path`); {"data.synthetic": {"rows", "sha256"}} for the synthetic task. Raises
     OSError when a file cannot be read."""
     if cfg.source == "file":
-        return {"data.train_path": _file_entry(cfg.train_path),
+        return {"data.train_path": _file_entry(cfg.train_path),  # type: ignore[arg-type]  # lint baseline (issue 39)
                 "data.eval_path": None if cfg.eval_path is None else _file_entry(cfg.eval_path)}
     from rl.data.synthetic import make_synthetic
     train, evals = make_synthetic(cfg.synthetic, seed)
@@ -48,7 +48,7 @@ def fingerprint_changes(old: dict, new: dict) -> list[str]:
         if (a or {}).get("sha256") == (b or {}).get("sha256"):
             continue
         if a is None or b is None:
-            path = (a or b).get("path")
+            path = (a or b).get("path")  # type: ignore[union-attr]  # lint baseline (issue 39)
             out.append(f"{role} {'added' if a is None else 'removed'}"
                        + (f" ({path})" if path else ""))
         elif "path" in b:

@@ -89,8 +89,8 @@ def _check_schema(f: h5py.File, path: Path) -> None:
                                   f"(this code reads version {SCHEMA_VERSION})")
 
 
-def _vlen_array(rows: Sequence[Sequence[float]], dtype: Any) -> np.ndarray:
-    out = np.empty(len(rows), dtype=object)
+def _vlen_array(rows: Sequence[Any], dtype: Any) -> np.ndarray:
+    out: np.ndarray = np.empty(len(rows), dtype=object)
     for i, row in enumerate(rows):  # element-wise: equal lengths must not turn into a 2-D array
         out[i] = np.asarray(row, dtype=dtype).reshape(-1)
     return out
@@ -103,7 +103,7 @@ def _write(ds: h5py.Dataset, values: np.ndarray, start: int) -> None:
 
 
 def _finish_codes(reasons: Sequence[str | int]) -> np.ndarray:
-    codes = np.empty(len(reasons), dtype=np.uint8)
+    codes: np.ndarray = np.empty(len(reasons), dtype=np.uint8)
     for i, reason in enumerate(reasons):
         if isinstance(reason, str):
             if reason not in FINISH_REASONS:
@@ -313,7 +313,7 @@ class TrajectoryReader:
         return out
 
     def step_summaries(self) -> list[StepSummary]:
-        steps, reward = self.column("step"), self.column("reward").astype(np.float64)
+        steps, reward = self.column("step"), self.column("reward").astype(np.float64)  # type: ignore[var-annotated]  # lint baseline (issue 39)
         length, version = self.column("response_length"), self.column("weight_version")
         truncated = self.column("finish_reason") == self.finish_reasons.index("length")
         out = []

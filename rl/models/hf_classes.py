@@ -1,10 +1,12 @@
 """transformers' own classes for a `model_type`, whatever vLLM registered in the same process."""
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
-def transformers_classes(kind: str) -> tuple[type, type]:
+def transformers_classes(kind: str) -> tuple[Any, Any]:
     """transformers' own (config class, causal-LM class) for `model_type` `kind`.
 
     Looked up by name, not through `AutoConfig`'s registry: vLLM registers its own config classes

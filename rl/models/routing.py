@@ -73,7 +73,7 @@ class RouterLayer:
 
 def moe_routers(model: torch.nn.Module) -> list[RouterLayer]:
     """The learned routers of `model`, in layer order (hash routers excluded, see above)."""
-    out = []
+    out: list[RouterLayer] = []
     for name, mod in model.named_modules():
         fn = GATE_WEIGHTS.get(type(mod).__name__)
         if fn is None:

@@ -365,7 +365,7 @@ def _deepseek_v4(c: dict, src: str) -> Arch:
     tensors += tail[:1] + [Tensor("model.hc_head.hc_fn", (hc, hc * hidden), 1),
                            Tensor("model.hc_head.hc_base", (hc,), 1),
                            Tensor("model.hc_head.hc_scale", (1,), 1)] + tail[1:]
-    notes = ()
+    notes: tuple[str, ...] = ()
     if c.get("n_shared_experts", 1) != 1:
         notes = (f"n_shared_experts={c['n_shared_experts']}: counted as one shared MLP, "
                  "as transformers builds it",)
@@ -379,8 +379,8 @@ def parse(config: dict, source: str) -> Arch:
         raise ModelConfigError(f"{source}: expected a JSON object, got {type(config).__name__}")
     # Multimodal wrappers keep the language model under text_config.
     c = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    model_type = c.get("model_type") or config.get("model_type")
-    c = {**c, "model_type": model_type}
+    model_type = c.get("model_type") or config.get("model_type")  # type: ignore[union-attr]  # lint baseline (issue 39)
+    c = {**c, "model_type": model_type}  # type: ignore[dict-item]  # lint baseline (issue 39)
     if model_type == "qwen3":
         return _qwen3(c, source, moe=False)
     if model_type == "qwen3_moe":

@@ -119,7 +119,7 @@ def trainer_compute_s(arch: Arch, tokens: float, seq: int, epochs: int, checkpoi
     if arch.model_type in EAGER_ONLY:  # measured rate: forward + backward = 3 forwards
         rate = dev.v4_attention_us_per_token
         if rate is None:
-            rate = DEVICES["h200"].v4_attention_us_per_token * (
+            rate = DEVICES["h200"].v4_attention_us_per_token * (  # type: ignore[operator]  # lint baseline (issue 39)
                 DEVICES["h200"].matmul_tflops / dev.matmul_tflops)
         fwd_bwd_units = (1 + epochs * (3 + (1 if checkpointing else 0))) / 3
         attn = tokens * arch.num_layers * rate * 1e-6 * fwd_bwd_units
@@ -280,7 +280,7 @@ def estimate(cfg: Config, arch: Arch, rollout: GroupPlan) -> StepTime:
     rows = min(per_engine, rollout.concurrent) if rollout.concurrent else per_engine
     waves = math.ceil(per_engine / rows)
     kv = rollout.kv
-    gen = decode_s(streamed_weight_bytes(arch, tp, fp8), kv.per_token, kv.per_sequence, rows,
+    gen = decode_s(streamed_weight_bytes(arch, tp, fp8), kv.per_token, kv.per_sequence, rows,  # type: ignore[union-attr]  # lint baseline (issue 39)
                    prompt, r.max_new_tokens, matmul_params(arch),
                    attention_flops_per_token(arch, prompt), dev, p.mfu,
                    p.decode_step_overhead_ms * 1e-3, tp)

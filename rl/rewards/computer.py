@@ -101,7 +101,7 @@ class RewardComputer:
     def close(self) -> None:
         """End the worker pool, if this computer started it (idempotent)."""
         if self._owns_pool:
-            self.pool.close()
+            self.pool.close()  # type: ignore[union-attr]  # lint baseline (issue 39)
 
     def __enter__(self) -> "RewardComputer":
         return self
@@ -128,7 +128,7 @@ class RewardComputer:
         answers = [answer_part(r, self.cfg.answer_after) for r in responses]
         called = [i for i, a in enumerate(answers) if a is not None]
         outcomes = dict(zip(called, self._correctness(
-            [(answers[i], examples[i].answer, examples[i].meta) for i in called], cancelled)))
+            [(answers[i], examples[i].answer, examples[i].meta) for i in called], cancelled)))  # type: ignore[misc]  # lint baseline (issue 39)
         out = RewardBreakdown(total=[], correctness=[], format=[], failed=[], unclosed=[])
         for i, (answer, example) in enumerate(zip(answers, examples)):
             ok, value = outcomes.get(i, (True, 0.0))  # no answer: 0, not a failure
@@ -150,13 +150,13 @@ class RewardComputer:
                      cancelled: Callable[[], bool] | None) -> list[Outcome]:
         if self.pool is not None:
             return self.pool.map(calls, cancelled)
-        out = []
+        out: list[Outcome] = []
         for done, call in enumerate(calls):
             if cancelled is not None and cancelled():
                 raise StepAbandoned(f"stop requested while scoring ({done} of {len(calls)} "
                                     f"calls done)")
             try:
-                out.append((True, reward_value(self.fn(*call))))
+                out.append((True, reward_value(self.fn(*call))))  # type: ignore[misc]  # lint baseline (issue 39)
             except (Exception, SystemExit) as e:  # a plugin may raise anything
                 out.append((False, f"{type(e).__name__}: {e}"))
         return out

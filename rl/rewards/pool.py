@@ -179,9 +179,9 @@ class RewardPool:
                 if outcome is None:
                     todo.appendleft(i)  # sent to a worker that died before it started
                 else:
-                    out[i], left = outcome, left - 1
+                    out[i], left = outcome, left - 1  # type: ignore[call-overload]  # lint baseline (issue 39)
             self._check_starting(now)
-        return out
+        return out  # type: ignore[return-value]  # lint baseline (issue 39)
 
     def close(self) -> None:
         """Kill the workers (idempotent)."""

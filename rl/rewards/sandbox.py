@@ -149,7 +149,8 @@ class Sandbox:
 def _read_result(fd: int, timeout_s: float) -> tuple[bytes, bool]:
     """What the child wrote until it closed the pipe, and whether the time ran out first."""
     deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -237,7 +238,7 @@ def _child(fn, args: tuple, box: Sandbox, workdir: str, result_fd: int) -> None:
         os._exit(0)
     try:
         from rl.rewards.plugin import reward_value
-        message = {"ok": True, "value": reward_value(fn(*args))}
+        message: dict[str, object] = {"ok": True, "value": reward_value(fn(*args))}
     except BaseException as e:  # sys.exit, MemoryError, PermissionError: a failed sample
         message = {"error": f"{type(e).__name__}: {e}"[:1000]}
     try:

@@ -198,7 +198,7 @@ class WeightGroup:
         # stream would otherwise wait for everything enqueued on the current stream before it).
         ahead = post(0) if plan.buckets else None
         for i, bucket in enumerate(plan.buckets):
-            work, buf = ahead
+            work, buf = ahead  # type: ignore[misc]  # lint baseline (issue 39)
             ahead = post(i + 1) if i + 1 < len(plan.buckets) else None
             self._wait(work, f"bucket {i}")
             yield buf if raw else unpack_bucket(bucket, buf)

@@ -19,7 +19,7 @@ from pathlib import Path
 class RecordingCheckpointEngine:
     """`inner` (a DeepSpeed CheckpointEngine), noting the path of every file it saves."""
 
-    def __init__(self, inner):
+    def __init__(self, inner) -> None:
         self.inner = inner
         self.saved: list[str] = []
 

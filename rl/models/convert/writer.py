@@ -88,7 +88,7 @@ class _Reader:
     """Tensors by name across shards (memory-mapped; one tensor is materialised at a time)."""
 
     def __init__(self, src: Source):
-        self.src, self._open = src, {}
+        self.src, self._open = src, {}  # type: ignore[var-annotated]  # lint baseline (issue 39)
 
     def get(self, name: str) -> torch.Tensor:
         shard = self.src.weight_map[name]
@@ -167,7 +167,9 @@ def _convert_shard(src: Source, reader: _Reader, shard_no: int, shard: str, targ
                    experts: str, out_dir: Path, max_shard_bytes: int) -> dict:
     """Write the parts of one input shard; returns its manifest entry (no files when the
     target keeps none of its tensors)."""
-    files, part, size = {}, {}, 0
+    files: dict[str, dict] = {}
+    part: dict[str, torch.Tensor] = {}
+    size = 0
     weight_map: dict[str, str] = {}
 
     def flush():

@@ -8,7 +8,6 @@ blocks. With a cache (generation) it runs transformers' eager forward unchanged.
 """
 from __future__ import annotations
 
-import torch
 from transformers.masking_utils import eager_mask, sliding_window_causal_mask_function
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4Attention, DeepseekV4CSACompressor, apply_rotary_pos_emb)

@@ -92,7 +92,7 @@ class NativeEngine:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(dtype, self.device)
-        config = hf_config or transformers_classes(model_type(self.model_dir))[0].from_pretrained(
+        config = hf_config or transformers_classes(model_type(self.model_dir))[0].from_pretrained(  # type: ignore[arg-type]  # lint baseline (issue 39)
             str(self.model_dir), local_files_only=True)
         self.shape = Shape.from_hf_config(config)
         impl = "triton" if self.device.type == "cuda" and triton_available() else "torch"
@@ -209,8 +209,8 @@ class NativeEngine:
         moe = [i for i in range(self.shape.layers) if self.shape.is_moe[i]]
         want = sp.return_routing and bool(moe)
         # Routing of the prompt (prefill) and of each decode step's input token (R - 1 of them).
-        rows_NK = (lambda r: torch.stack([r[i] for i in moe], 1).view(bb, -1, len(moe),
-                                                                       self.shape.top_k))
+        def rows_NK(r):
+            return torch.stack([r[i] for i in moe], 1).view(bb, -1, len(moe), self.shape.top_k)
         pre = rows_NK(self.model.routes) if want else None
         dec = []
         tok, lp = sample_tokens(self.model.logits(h, fp32=False), sp, gen)
@@ -231,8 +231,8 @@ class NativeEngine:
         out = list(zip(toks[:n, :steps].tolist(), lps[:n, :steps].tolist()))
         if not want:
             return [(t, lp, None) for t, lp in out]
-        dec_BSNK = torch.cat(dec, 1).cpu() if dec else pre[:, :0].cpu()
-        pre = pre.cpu()
+        dec_BSNK = torch.cat(dec, 1).cpu() if dec else pre[:, :0].cpu()  # type: ignore[index]  # lint baseline (issue 39)
+        pre = pre.cpu()  # type: ignore[union-attr]  # lint baseline (issue 39)
         return [(t, lp, torch.cat([pre[i, width - len(rows[i]):], dec_BSNK[i, :steps - 1]]))
                 for i, (t, lp) in enumerate(out)]
 
@@ -311,7 +311,7 @@ class NativeEngine:
                          timeout_s: float) -> None:
         from rl.sync.transport import join_group
 
-        self._group = join_group(self._group, host, port, world_size, rank, backend, timeout_s,
+        self._group = join_group(self._group, host, port, world_size, rank, backend, timeout_s,  # type: ignore[assignment]  # lint baseline (issue 39)
                                  self.device)
 
     def receive_weights(self, plan, version: int, verify: bool = False) -> dict:
@@ -365,7 +365,7 @@ class NativeEngine:
         if self._jobs is not None and self._jobs[0] == key:
             return self._jobs[1]
         jobs = []
-        for i, bucket in enumerate(plan.buckets):
+        for bucket in plan.buckets:
             dsts, srcs, slow = [], [], set()
             by_name = {s.name: s for s in bucket.slots}
             for s in bucket.slots:

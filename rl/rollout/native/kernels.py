@@ -551,7 +551,7 @@ if triton is not None:
         tl.store(lp_ptr + row, tl.load(x_ptr + row * stride + tok).to(tl.float32) - lse)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, y_ptr, s_ptr, M, I, M_PAD, BLOCK: tl.constexpr,
+    def _silu_mul_kernel(x_ptr, y_ptr, s_ptr, M, I, M_PAD, BLOCK: tl.constexpr,  # noqa: E741
                          QUANT: tl.constexpr, EXACT: tl.constexpr):
         """Columns [c * BLOCK, (c + 1) * BLOCK) of row `row`; QUANT: as 1x128 e4m3 blocks
         (BLOCK a multiple of 128) with column-major scales, like `_rmsnorm_kernel`."""
@@ -675,6 +675,7 @@ def rmsnorm(x: torch.Tensor | Partials, w: torch.Tensor, eps: float,
         y, h = _rmsnorm_torch(x.sum() if isinstance(x, Partials) else x, w, eps, residual)
         return (quantize_act_fast(y, 4, "torch") if quant else y), h
     parts = isinstance(x, Partials)
+    xs: torch.Tensor  # the stacked partial sums, or x itself
     xs, dtype = (x.parts, x.dtype) if parts else (x, x.dtype)
     m, hdim = xs.shape[-2:]
     h = torch.empty(m, hdim, dtype=dtype, device=xs.device) if residual is not None or parts \
@@ -716,7 +717,7 @@ def qk_norm_rope_cache(qkv: torch.Tensor, qn_w: torch.Tensor, kn_w: torch.Tensor
     hb = math.gcd(nh, nkv, _CACHE_WRITE_HEADS)      # heads per program: a power of two
     _qk_rope_cache_kernel[(b, (nh + 2 * nkv) // hb)](
         qkv, qn_w, kn_w, cos, sin, start, pos, q, kc, vc, ke, ve, eps, qkv.stride(0),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(2), ke.stride(0), ke.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(2), ke.stride(0), ke.stride(1),  # type: ignore[union-attr]  # lint baseline (issue 39)
         NH=nh, NKV=nkv, D=d, HALF=d // 2, HB=hb, FP8_KV=fp8)
     return q
 
@@ -969,7 +970,7 @@ def w8a16_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
     y = _partials(split, m, n, x.dtype, x.device)
     launch = {key: t[key] for key in ("num_warps", "num_stages") if key in t}
     _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-        x, w, scale if fp8 else w, y, m, n, k, scale.stride(0) if fp8 else 0, per * bk,
+        x, w, scale if fp8 else w, y, m, n, k, scale.stride(0) if fp8 else 0, per * bk,  # type: ignore[union-attr]  # lint baseline (issue 39)
         FP8=fp8, BM=bm, BN=bn, BK=bk, **launch)
     return Partials(y, x.dtype).sum() if split > 1 else y
 
@@ -1122,6 +1123,6 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
     fp8 = scale is not None
     _grouped_kernel[(e, triton.cdiv(n, bn))](
         x, w, scale if fp8 else w, y, offs, n, k, w.stride(0),
-        scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
+        scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,  # type: ignore[union-attr]  # lint baseline (issue 39)
         FP8=fp8, BM=bm, BN=bn, BK=128)
     return y

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 
@@ -24,7 +25,7 @@ from rl.quant.block_fp8 import (
 )
 from rl.quant.fast_quant import quantize_weight_fast
 
-Piece = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+Piece: TypeAlias = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """A full-precision (rows, K) tensor, or an FP8 pair (uint8/e4m3 (rows, K), scales)."""
 
 
@@ -79,7 +80,7 @@ class LinearSlot:
                 self.scale.copy_(piece[1])
                 return
             if self.fp8:
-                quantize_weight_fast(piece.to(self.w.device), self.pow2, out=self.w,
+                quantize_weight_fast(piece.to(self.w.device), self.pow2, out=self.w,  # type: ignore[union-attr]  # lint baseline (issue 39)
                                      scale_out=self.scale)
                 return
             for e in range(self.shape[0]):
