@@ -95,11 +95,14 @@ def run(cfg: Config, *, resume: bool = True, force: bool = False,
     check_and_save_config(cfg, resume, force)
     model_dir = warm_start_dir(cfg)  # the SFT warm start (cached), when model.warm_start
     r = Run(cfg, model_dir, stop or StopRequest())  # starts the worker groups
+    failed = True
     try:
         r.start(resume, force, restart)
-        return r.train()
+        result = r.train()
+        failed = False
+        return result
     finally:
-        r.close()
+        r.close(failed)
 
 
 class Run:
@@ -128,8 +131,10 @@ class Run:
         self.recorder = Recorder(cfg)
         opt_steps = cfg.num_steps * cfg.trainer.ppo_epochs * cfg.trainer.num_mini_batches
         self.runtime = Runtime(cfg, str(model_dir), total_optimizer_steps=opt_steps)
+        self.faults = FaultInjector()
+        self.restart = RestartInfo()
         self.publisher = WeightPublisher(cfg, self.runtime, self.source.probe(),
-                                         lambda: self.state.step + 1, FaultInjector())
+                                         lambda: self.state.step + 1, self.faults)
         self.evaluator = Evaluator(cfg, self.source, self.runtime.rollout, self.publisher,
                                    reward_pool=self.rewards.pool)
         self.pipeline = RolloutPipeline(
@@ -146,6 +151,7 @@ class Run:
     def start(self, resume: bool, force: bool, restart: RestartInfo) -> None:
         """Restore the latest checkpoint (if `resume`), bring the engines to the trainer's
         weights, and complete the record of the step a stop left without its evaluation."""
+        self.restart = restart
         path = self.checkpointer.load_latest(force) if resume else None
         state = self.state
         if path is not None:
@@ -171,7 +177,11 @@ class Run:
             self.recorder.log(0, metrics)
         self._busy_before = self.publisher.busy_seconds()
         while state.step < cfg.num_steps and not stop.requested:
-            outcome = self.step(state.step + 1, result)
+            try:
+                outcome = self.step(state.step + 1, result)
+            except Exception as e:
+                e.rl_step = state.step + 1  # the step that failed (`launch.failures`)
+                raise
             if outcome != "trained":
                 result.status = "aborted" if outcome == "aborted" else result.status
                 break
@@ -227,6 +237,7 @@ class Run:
         t0 = time.perf_counter()
         train_batch = TrainBatch.from_samples(
             samples, adv, routing=pipe.sampling.return_routing)  # what the engines were asked for
+        self.faults.before_train(step, self.restart.count, self.runtime)  # tests only
         train_stats, old_logprobs = self.runtime.trainer.train(train_batch, step)
         t_train = time.perf_counter() - t0
         # the ranks skipped (together) any optimizer step with a non-finite loss or gradient
@@ -310,7 +321,8 @@ class Run:
         batch.indices = [batch.indices[i] for i in keep]
         return batch if keep else self.pipeline.generate_now(step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """`failed`: the run ends with an error; its workers are killed, not asked to stop."""
         self.recorder.close()
         self.rewards.close()
-        self.runtime.shutdown()
+        self.runtime.shutdown(failed)
