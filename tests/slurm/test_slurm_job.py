@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rl.config import load_config
+from rl.config import ConfigError, load_config
 from rl.signals import EXIT_ABORTED, StopRequest
 from slurm.job import RequeueLimit, _check_requeue_limit
 from slurm.submit import make_executor, wait_for
