@@ -122,6 +122,10 @@ class Run:
     recorder: Recorder
     """metrics.jsonl, TensorBoard, trajectories, console."""
     checkpointer: Checkpointer
+    faults: FaultInjector
+    """Fault injection for the recovery tests (`rl.faults`): inert unless its variables are set."""
+    restart: RestartInfo
+    """How this life of the run began (set by `start`)."""
 
     def __init__(self, cfg: Config, model_dir: Path, stop: StopRequest):
         self.cfg, self.stop = cfg, stop
