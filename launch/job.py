@@ -5,7 +5,8 @@ Unless `logging.verbose`, everything the libraries print goes to RUN_DIR/logs/jo
 console shows the step lines, progress, the summary and errors (`rl.console`).
 A stop signal checkpoints and raises `Requeue`, which the Slurm layer turns into a requeue and the
 local launcher into exit status EXIT_REQUEUE. A run that aborted (too many non-finite steps) returns
-normally; `exit_status` maps its dict to EXIT_ABORTED for both launchers.
+normally; `exit_status` maps its dict to EXIT_ABORTED for both launchers. Any other error is a
+user error (exit 2) or a failure, after which the run gets a new life (`launch.failures`).
 """
 from __future__ import annotations
 
@@ -96,8 +97,11 @@ def exit_status(result: dict) -> int:
     """The launcher's exit status for the outcome a finished job returned (`run_job`,
     `run_local_job`, `slurm.job.slurm_main`), by its `status`: EXIT_ABORTED when the run
     aborted on non-finite steps (after its checkpoint), EXIT_REQUEUE when it stopped with a
-    checkpoint (`stopped`, `requeue_limit`), EXIT_USAGE for a config error or a run directory
-    another run holds (`busy`), else 0."""
+    checkpoint or may not requeue again (`stopped`, `requeue_limit`, after a signal or a
+    failure), EXIT_USAGE for a config or data error or a run directory another run holds
+    (`busy`),
+    EXIT_FAILED (1) for a run that failed and is not restarted (`crash_loop`, `failure`),
+    else 0."""
     status = result.get("status")
     if status == "aborted":
         print(f"run aborted at step {result.get('step')}: too many non-finite steps in a row "
@@ -111,8 +115,12 @@ def exit_status(result: dict) -> int:
     if status == "requeue_limit":
         print(result["message"], file=sys.stderr, flush=True)
         return EXIT_REQUEUE
-    if status == "config_error":
-        print(f"config error: {result['message']}", file=sys.stderr, flush=True)
+    if status in ("crash_loop", "failure"):  # launch.failures
+        from launch.failures import EXIT_FAILED
+        print(result["message"], file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    if status in ("config_error", "data_error"):
+        print(f"{status.replace('_', ' ')}: {result['message']}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     if status == "busy":  # another run holds the run directory (launch.rundir)
         print(result["message"], file=sys.stderr, flush=True)
@@ -133,14 +141,8 @@ def previous_stop_signal(run_dir: Path) -> int:
     """The number of the signal that stopped this run's previous life, from the `reason` of the
     events `lifecycle` appended between the previous and the latest `start` (0 if none: a first
     start, or a life killed before it could record one)."""
-    events = []
-    path = run_dir / "lifecycle.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill
+    from launch.status import read_lifecycle
+    events = read_lifecycle(run_dir)
     starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
     previous = events[starts[-2] + 1: starts[-1]] if len(starts) >= 2 else []
     signum = 0
@@ -151,28 +153,31 @@ def previous_stop_signal(run_dir: Path) -> int:
 
 
 def run_job(cfg: Config, resume: bool = True, force: bool = False,
-            stop: StopRequest | None = None) -> dict:
+            stop: StopRequest | None = None, restart_count: int | None = None) -> dict:
     """`stop`: an already installed StopRequest (the Slurm job installs one before Ray starts so
-    that an early signal is not lost); by default one is installed here."""
+    that an early signal is not lost); by default one is installed here. `restart_count`: this
+    life's number (the local launcher's restarts); by default Slurm's."""
     from launch.rundir import RunDirLock
     from rl.console import job_console
     from rl.private_files import run_dir
     run_dir(cfg.run_dir)  # 0700, before the lock and the console's log file go there
     with RunDirLock(cfg.run_dir).hold():  # one writer: before anything writes the directory
         with job_console(cfg.run_dir, cfg.logging.verbose):
-            return _run_job(cfg, resume, force, stop)
+            return _run_job(cfg, resume, force, stop, restart_count)
 
 
-def _run_job(cfg: Config, resume: bool, force: bool, stop: StopRequest | None) -> dict:
+def _run_job(cfg: Config, resume: bool, force: bool, stop: StopRequest | None,
+             restart_count: int | None) -> dict:
     from launch.common import quiet_libraries
     from rl.console import say
     from rl.loop import run
     from rl.recorder import RestartInfo
     quiet_libraries()
     stop = (stop or StopRequest()).install()
-    restart_count = slurm_env.restart_count()
+    if restart_count is None:
+        restart_count = slurm_env.restart_count()
     lifecycle(cfg, "start", restart_count=restart_count, job_id=slurm_env.job_id())
-    if restart_count:
+    if restart_count and slurm_env.job_id():
         say(f"restart {restart_count} of Slurm job {slurm_env.job_id()}")
     if cfg.cluster.kind == "local":
         start_local_ray(cfg)
@@ -188,20 +193,29 @@ def _run_job(cfg: Config, resume: bool, force: bool, stop: StopRequest | None) -
     return out
 
 
-def run_local_job(cfg: Config, resume: bool = True, force: bool = False) -> dict:
-    """`run_job` as the local launcher submits it: a stop (`Requeue`) and a config error are
-    outcomes it returns (status `stopped`, `config_error`), typed for `exit_status`, instead of
-    exceptions whose text submitit would hand back."""
+def run_local_job(cfg: Config, resume: bool = True, force: bool = False,
+                  restart_count: int = 0) -> dict:
+    """`run_job` as the local launcher submits it: a stop (`Requeue`), a config error and a
+    failure are outcomes it returns (status `stopped`, `config_error`, `failure`: the recorded
+    `launch.failures` event), typed for `exit_status` and the launcher's restart, instead of
+    exceptions whose text submitit would hand back. `restart_count`: the launcher's restarts
+    so far."""
+    from launch.failures import record_failure, user_errors
     from launch.rundir import RunDirBusy
-    from rl.config import ConfigError
+    from rl.data.example import DataError
     try:
-        return run_job(cfg, resume, force)
+        return run_job(cfg, resume, force, restart_count=restart_count)
     except Requeue as e:
         return {"status": "stopped", "message": str(e), "run_dir": str(cfg.run_dir)}
     except RunDirBusy as e:
         return {"status": "busy", "message": str(e), "run_dir": str(cfg.run_dir)}
-    except ConfigError as e:
-        return {"status": "config_error", "message": str(e), "run_dir": str(cfg.run_dir)}
+    except user_errors() as e:  # the config, the data, ...: a new life would fail the same way
+        status = "data_error" if isinstance(e, DataError) else "config_error"
+        return {"status": status, "message": str(e), "run_dir": str(cfg.run_dir)}
+    except Exception as e:  # noqa: BLE001 - a failure: the launcher decides on a restart
+        log.error("the run failed", exc_info=True)  # the whole traceback, in the job's log
+        return {"status": "failure", **record_failure(cfg, e, restart_count),
+                "run_dir": str(cfg.run_dir)}
 
 
 if __name__ == "__main__":  # pragma: no cover - run through launch.submit

@@ -46,42 +46,23 @@ def local_description(cfg) -> str:
 
 
 def run_local(cfg, args) -> int:
+    """Runs the job through submitit's local executor and follows it to its end; after a
+    failure (`launch.failures`) starts it again, resuming from its newest checkpoint, while
+    `failures.next_life` allows."""
     import submitit
-    from launch.job import exit_status, run_local_job
+    from launch.failures import next_life
+    from launch.job import exit_status, lifecycle
     folder = cfg.run_dir / "submitit"
     folder.mkdir(parents=True, exist_ok=True)
     executor = submitit.LocalExecutor(folder=str(folder))
     executor.update_parameters(timeout_min=24 * 60)
-    # A terminal's Ctrl-C signals the whole foreground process group: this launcher (which asks
-    # the job to stop, below), the job's task (rl.signals) and, between them, submitit's local
-    # controller, which would die of KeyboardInterrupt and leave the job reported failed (exit
-    # 1) though its checkpoint was written. Started with SIGINT ignored (inherited across exec),
-    # the controller leaves Ctrl-C to the other two; the task installs its own handler. A hangup
-    # (the ssh session dropped) reaches the same group and would kill the controller too: it
-    # and the task inherit HUP ignored, and this launcher forwards it as TERM.
     hangup_ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN  # nohup: run on
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGHUP)}
-    try:
-        job = executor.submit(run_local_job, cfg, force=args.force)  # resumes the run dir
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    verbose = cfg.logging.verbose
-    print(f"local job {job.job_id} started in {cfg.run_dir.resolve()}: "
-          f"{local_description(cfg)} (minutes on a CPU)", flush=True)
-    if not verbose:
-        print(f"library output (vLLM, Ray, DeepSpeed, ...): {job_log(cfg.run_dir).resolve()} "
-              "(logging.verbose=true prints it here)", flush=True)
-
+    life = LocalLife(executor, cfg, args)
     terminals = [fd for fd in (1, 2) if os.isatty(fd)]
 
     def forward(signum, _frame):  # Ctrl-C / TERM / HUP: ask the job to checkpoint and stop
-        # submitit's local controller forwards SIGTERM to the task, where rl.signals handles it;
-        # a local job's id is its controller's process id.
-        try:
-            os.kill(int(job.job_id), signal.SIGTERM)
-        except (OSError, ValueError):  # the job may already be gone
-            pass
+        life.stopping = True  # and no restart after it, whatever its end
+        life.signal_job()
         if signum == signal.SIGHUP:  # the terminal is gone: writing to it fails (EIO)
             detach_terminal(terminals)
         print(f"\n{signal.Signals(signum).name}: asking the job to checkpoint and stop", flush=True)
@@ -89,24 +70,87 @@ def run_local(cfg, args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1,
                 *(() if hangup_ignored else (signal.SIGHUP,))):
         signal.signal(sig, forward)
-    def stream_err(pos: int) -> int:  # verbose: all of it, as the libraries wrote it
-        return (stream_output(job.paths.stderr, pos, out=sys.stderr) if verbose
-                else stream_errors(job.paths.stderr, pos))
+    restarts = 0
+    while True:
+        result = life.run(restarts)
+        if result is None:  # the job died without an outcome
+            return 1
+        if result.get("status") != "failure" or life.stopping:
+            return exit_status(result)
+        verdict = next_life(cfg, restarts, result)
+        if not verdict.restart:  # exit_status prints the outcome's message
+            lifecycle(cfg, verdict.outcome["status"], reason="failure", restart_count=restarts)
+            return exit_status(verdict.outcome)
+        print(verdict.line, flush=True)
+        lifecycle(cfg, "restarting", reason="failure", restart_count=restarts)
+        restarts += 1
 
-    out_pos = err_pos = 0
-    while not job.done():
-        out_pos = stream_output(job.paths.stdout, out_pos, quiet=not verbose)
-        err_pos = stream_err(err_pos)
-        time.sleep(0.5)
-    stream_output(job.paths.stdout, out_pos, quiet=not verbose)
-    stream_err(err_pos)
-    try:
-        result = job.result()  # expected ends (stopped, config error) are outcomes, not errors
-    except Exception:  # noqa: BLE001 - submitit wraps the job's exception
-        where = "" if verbose else f" and {job_log(cfg.run_dir)}"
-        print(f"job failed; full log: {job.paths.stderr}{where}", file=sys.stderr)
-        return 1
-    return exit_status(result)
+
+class LocalLife:
+    """One life of a local run: the job submitted to submitit's local executor, its output
+    streamed here until it ends."""
+
+    def __init__(self, executor, cfg, args):
+        self.executor, self.cfg, self.args = executor, cfg, args
+        self.job = None
+        self.stopping = False
+        """A stop signal reached the launcher: the run ends with this life."""
+
+    def signal_job(self) -> None:
+        # submitit's local controller forwards SIGTERM to the task, where rl.signals handles it;
+        # a local job's id is its controller's process id.
+        try:
+            os.kill(int(self.job.job_id), signal.SIGTERM)
+        except (AttributeError, OSError, ValueError):  # not started yet, or already gone
+            pass
+
+    def run(self, restart_count: int) -> dict | None:
+        """The job's outcome (`run_local_job`'s dict), None when it died without one."""
+        from launch.job import run_local_job
+        cfg, verbose = self.cfg, self.cfg.logging.verbose
+        # A terminal's Ctrl-C signals the whole foreground process group: this launcher (which
+        # asks the job to stop), the job's task (rl.signals) and, between them, submitit's local
+        # controller, which would die of KeyboardInterrupt and leave the job reported failed
+        # (exit 1) though its checkpoint was written. Started with SIGINT ignored (inherited
+        # across exec), the controller leaves Ctrl-C to the other two; the task installs its own
+        # handler. A hangup (the ssh session dropped) reaches the same group and would kill the
+        # controller too: it and the task inherit HUP ignored, and this launcher forwards it as
+        # TERM.
+        previous = {sig: signal.signal(sig, signal.SIG_IGN)
+                    for sig in (signal.SIGINT, signal.SIGHUP)}
+        try:
+            self.job = job = self.executor.submit(run_local_job, cfg, force=self.args.force,
+                                                  restart_count=restart_count)  # resumes
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if self.stopping:  # a stop arrived while it was being submitted
+            self.signal_job()
+        if restart_count == 0:
+            print(f"local job {job.job_id} started in {cfg.run_dir.resolve()}: "
+                  f"{local_description(cfg)} (minutes on a CPU)", flush=True)
+            if not verbose:
+                print(f"library output (vLLM, Ray, DeepSpeed, ...): "
+                      f"{job_log(cfg.run_dir).resolve()} (logging.verbose=true prints it here)",
+                      flush=True)
+
+        def stream_err(pos: int) -> int:  # verbose: all of it, as the libraries wrote it
+            return (stream_output(job.paths.stderr, pos, out=sys.stderr) if verbose
+                    else stream_errors(job.paths.stderr, pos))
+
+        out_pos = err_pos = 0
+        while not job.done():
+            out_pos = stream_output(job.paths.stdout, out_pos, quiet=not verbose)
+            err_pos = stream_err(err_pos)
+            time.sleep(0.5)
+        stream_output(job.paths.stdout, out_pos, quiet=not verbose)
+        stream_err(err_pos)
+        try:
+            return job.result()  # expected ends (stopped, config error, failure) are outcomes
+        except Exception:  # noqa: BLE001 - submitit wraps the job's exception
+            where = "" if verbose else f" and {job_log(cfg.run_dir)}"
+            print(f"job failed; full log: {job.paths.stderr}{where}", file=sys.stderr)
+            return None
 
 
 def resume_from_or_exit(cfg, step: int, dry_run: bool = False) -> None:

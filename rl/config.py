@@ -680,6 +680,35 @@ class NetworkConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class DeadlinesConfig:
+    """How long the driver waits for each remote call of a worker group [s]. Past it the call
+    fails with `CallTimeout` (naming the call, the ranks that did not answer and the key here),
+    the run fails and the job is requeued or restarted from its newest checkpoint. Generous by
+    default: a deadline only has to end a hang, never a slow but healthy call. The weight update
+    has its own limit, `sync.timeout_s` (plus 60 s for the whole update)."""
+    start_s: float = 1800.0
+    """The workers' start: each trainer rank and engine built and answering (model load,
+    DeepSpeed's first extension build, vLLM's start)."""
+    train_s: float = 3600.0
+    """One RL step's training on every trainer rank (all PPO epochs and mini-batches)."""
+    generate_s: float = 7200.0
+    """One generation on the rollout engines (a step's batch, an evaluation), counted from its
+    launch: a batch generated ahead waits behind the ones before it on the same engine."""
+    score_s: float = 1800.0
+    """Log-prob scoring (the `sync.check_logprobs` probe) on the trainer ranks or the engines."""
+    save_s: float = 3600.0
+    """The trainer ranks writing, fsyncing and hashing their part of a checkpoint."""
+    load_s: float = 3600.0
+    """The trainer ranks loading a checkpoint, and hashing its files to verify it on resume."""
+    call_s: float = 300.0
+    """Short control calls: pings, weight versions, busy times, the sync plan and address."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "start_s", "train_s", "generate_s", "score_s", "save_s", "load_s",
+                  "call_s")
+
+
+@dataclass(kw_only=True, slots=True)
 class ClusterConfig:
     kind: Literal["local", "slurm"] = "local"
     """`local`: this machine (submitit's local executor, Ray started locally); `slurm`: one
@@ -689,9 +718,16 @@ class ClusterConfig:
     rollout: SlurmGroupConfig = field(default_factory=SlurmGroupConfig)
     """kind slurm: the rollout component's resources."""
     max_requeues: int = 3
-    """The job requeues itself (`scontrol requeue`) after a stop signal while
-    SLURM_RESTART_COUNT < max_requeues; then it stops with its checkpoint (resubmit to resume).
+    """The job requeues itself (`scontrol requeue`) after a stop signal or a failure (a crash, a
+    lost node, a call past its deadline) while SLURM_RESTART_COUNT < max_requeues; then it stops
+    (resubmit to resume). A local run restarts itself after a failure up to this many times.
     Preemption requeues are Slurm's own and are not capped by this."""
+    max_failures_without_progress: int = 3
+    """Crash-loop guard: after this many failures in a row with no new checkpoint between them
+    the job is not requeued (or restarted) again but ends failed: a deterministic crash must not
+    use up every requeue."""
+    deadlines: DeadlinesConfig = field(default_factory=DeadlinesConfig)
+    """How long the driver waits for each remote call (`CallTimeout` past it)."""
     signal_before_end_s: int = 120
     """Slurm sends USR2 (submitit's preemption signal) this long before the time limit; with
     preemption grace time the same signal announces a preemption."""
@@ -714,7 +750,8 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _non_negative(self, "max_requeues", "signal_before_end_s", "ray_object_store_mb")
-        _positive(self, "ray_start_timeout_s", "placement_timeout_s")
+        _positive(self, "ray_start_timeout_s", "placement_timeout_s",
+                  "max_failures_without_progress")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -103,11 +103,14 @@ def run(cfg: Config, *, resume: bool = True, force: bool = False,
     check_and_save_config(cfg, resume, force)
     model_dir = warm_start_dir(cfg)  # the SFT warm start (cached), when model.warm_start
     r = Run(cfg, model_dir, stop or StopRequest())  # starts the worker groups
+    failed = True
     try:
         r.start(resume, force, restart)
-        return r.train()
+        result = r.train()
+        failed = False
+        return result
     finally:
-        r.close()
+        r.close(failed)
 
 
 class Run:
@@ -127,6 +130,10 @@ class Run:
     recorder: Recorder
     """metrics.jsonl, TensorBoard, trajectories, console."""
     checkpointer: Checkpointer
+    faults: FaultInjector
+    """Fault injection for the recovery tests (`rl.faults`): inert unless its variables are set."""
+    restart: RestartInfo
+    """How this life of the run began (set by `start`)."""
 
     def __init__(self, cfg: Config, model_dir: Path, stop: StopRequest):
         self.cfg, self.stop = cfg, stop
@@ -136,8 +143,10 @@ class Run:
         self.recorder = Recorder(cfg)
         opt_steps = cfg.num_steps * cfg.trainer.ppo_epochs * cfg.trainer.num_mini_batches
         self.runtime = Runtime(cfg, str(model_dir), total_optimizer_steps=opt_steps)
+        self.faults = FaultInjector()
+        self.restart = RestartInfo()
         self.publisher = WeightPublisher(cfg, self.runtime, self.source.probe(),
-                                         lambda: self.state.step + 1, FaultInjector())
+                                         lambda: self.state.step + 1, self.faults)
         self.evaluator = Evaluator(cfg, self.source, self.runtime.rollout, self.publisher,
                                    reward_pool=self.rewards.pool)
         self.pipeline = RolloutPipeline(
@@ -154,6 +163,7 @@ class Run:
     def start(self, resume: bool, force: bool, restart: RestartInfo) -> None:
         """Restore the latest checkpoint (if `resume`), bring the engines to the trainer's
         weights, and complete the record of the step a stop left without its evaluation."""
+        self.restart = restart
         path = self.checkpointer.load_latest(force) if resume else None
         state = self.state
         if path is not None:
@@ -179,7 +189,11 @@ class Run:
             self.recorder.log(0, metrics)
         self._busy_before = self.publisher.busy_seconds()
         while state.step < cfg.num_steps and not stop.requested:
-            outcome = self.step(state.step + 1, result)
+            try:
+                outcome = self.step(state.step + 1, result)
+            except Exception as e:
+                e.rl_step = state.step + 1  # type: ignore[attr-defined]  # the step that failed (`launch.failures`)
+                raise
             if outcome != "trained":
                 result.status = "aborted" if outcome == "aborted" else result.status
                 break
@@ -235,6 +249,7 @@ class Run:
         t0 = time.perf_counter()
         train_batch = TrainBatch.from_samples(
             samples, adv, routing=pipe.sampling.return_routing)  # what the engines were asked for
+        self.faults.before_train(step, self.restart.count, self.runtime)  # tests only
         train_stats, old_logprobs = self.runtime.trainer.train(train_batch, step)
         t_train = time.perf_counter() - t0
         # the ranks skipped (together) any optimizer step with a non-finite loss or gradient
@@ -318,7 +333,8 @@ class Run:
         batch.indices = [batch.indices[i] for i in keep]
         return batch if keep else self.pipeline.generate_now(step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """`failed`: the run ends with an error; its workers are killed, not asked to stop."""
         self.recorder.close()
         self.rewards.close()
-        self.runtime.shutdown()
+        self.runtime.shutdown(failed)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from rl.cluster.actors import ActorDied, wait_all  # noqa: F401 - ActorDied: re-exported
+from rl.cluster.actors import ActorDied, CallTimeout, wait_all  # noqa: F401 - re-exported
 from rl.cluster.facades import Generation, RolloutGroup, TrainerGroup  # noqa: F401
 from rl.cluster.groups import (GroupSpec, bundle_address, bundle_nodes, free_port, make_layout,
                                start_proc_group, start_ray_group)
@@ -32,8 +32,8 @@ def wait_for_sync(futures: list, timeout_s: float) -> list:
     is a SyncError, the type the recovery path catches: a worker's own SyncError arrives as one
     on both backends (`rl.cluster.actors`), and the driver giving up after `timeout_s` (a sender
     or receiver stuck mid-bucket) becomes one here."""
-    try:
-        return wait_all(futures, timeout=timeout_s)
+    try:  # in order, not failing fast: sender and receivers end (or time out) together
+        return wait_all(futures, timeout_s, "weight sync", key="sync.timeout_s", fail_fast=False)
     except TimeoutError as e:
         raise SyncError(f"weight sync: not every trainer rank and engine finished within "
                         f"{timeout_s:.0f}s (one is stuck or waiting for a peer that stopped)") from e
@@ -124,10 +124,14 @@ class Runtime:
                                         on_placed=self._pick_master if multi_node else None)
             self.engines = self._start(self.rollout_spec, EngineHost, self._engine_args)
             self._log_placement()
-            wait_all([a.ready for a in self.trainers + self.engines if hasattr(a, "ready")])
-            self.trainer, self.rollout = TrainerGroup(self.trainers), RolloutGroup(self.engines)
+            deadlines = cfg.cluster.deadlines
+            wait_all([a.ready for a in self.trainers + self.engines if hasattr(a, "ready")],
+                     deadlines.start_s, "starting the workers", key="cluster.deadlines.start_s")
+            self.trainer = TrainerGroup(self.trainers, deadlines)
+            self.rollout = RolloutGroup(self.engines, deadlines)
             wait_all(self.trainer.ping_async()
-                     + [self.rollout.pid_async(i) for i in range(len(self.engines))])
+                     + [self.rollout.pid_async(i) for i in range(len(self.engines))],
+                     deadlines.start_s, "starting the workers", key="cluster.deadlines.start_s")
             self.plan = self.trainer.sync_plan()
             self._connect_sync()
         except BaseException:
@@ -225,7 +229,8 @@ class Runtime:
             return new
         (new,) = start_proc_group(GroupSpec(self.rollout_spec.name, 1, self.rollout_spec.bundle),  # type: ignore[assignment]  # lint baseline (issue 39)
                                   EngineHost, lambda _k: self._engine_args(i), self._env("rollout"))
-        new.ready.result()  # type: ignore[attr-defined]  # lint baseline (issue 39)
+        wait_all([new.ready], self.cfg.cluster.deadlines.start_s, "restarting a rollout engine",  # type: ignore[attr-defined]  # lint baseline (issue 39)
+                 key="cluster.deadlines.start_s")
         return new
 
     def restart_dead_engines(self, version: int) -> int:
@@ -242,7 +247,8 @@ class Runtime:
         for i in dead:
             self.engines[i].kill()
             self.engines[i] = self._replace_engine(i)
-        self.trainer.close_weight_sync()
+        self.trainer.close_weight_sync(self.cfg.sync.timeout_s + 60
+                                       + self.cfg.cluster.deadlines.call_s)
         self._connect_sync()
         self.sync(version)
         self.restarts += len(dead)
@@ -263,7 +269,13 @@ class Runtime:
                 remove_placement_group(pg)
             self._pgs = []
 
-    def shutdown(self) -> None:
+    def shutdown(self, failed: bool = False) -> None:
+        """Ends every worker: politely (each frees its engine, process groups) unless the run
+        `failed`; then they are killed at once, since a rank may hang in a collective with one
+        that died and would keep its polite shutdown waiting."""
+        if failed:
+            self._kill_all()
+            return
         for a in self.engines + self.trainers:
             if self.abandoned and a in self.engines:
                 a.kill()  # still generating what the driver gave up on: no polite shutdown

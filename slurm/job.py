@@ -11,7 +11,12 @@ One life of the allocation:
     the queue and this process exits without a result (so submitit and `launch.submit --wait`
     keep waiting for the restart); past the limit the job ends with the outcome
     `requeue_limit` (`launch.job.exit_status` turns it into EXIT_REQUEUE);
- 5. Ray is stopped in every case.
+ 5. any other error is a user error (config, data: raised, the job fails, nothing requeues) or a
+    failure (`launch.failures`: a crashed rank, a lost node, a call past its deadline, Ray that
+    did not start): recorded, Ray stopped, then requeued the same way, sharing
+    cluster.max_requeues; a crash loop (`cluster.max_failures_without_progress` failures in a
+    row without a new checkpoint) ends the job with the outcome `crash_loop` (exit 1);
+ 6. Ray is stopped in every case.
 
 SIGTERM (`scontrol requeue` from outside, preemption after its grace time, `scancel`) reaches every
 step of the job at once: Ray dies with it and the checkpoint of the step in flight is usually not
@@ -19,7 +24,8 @@ written. The next start resumes from the last complete checkpoint (they are writ
 the loop replays from there exactly). Such a life also ends without a result.
 
 Every transition is an event in RUN_DIR/lifecycle.jsonl (`launch.status` reads it): `start`,
-`stopped`, `requeued`, `requeue_limit`, `interrupted`, `done`.
+`stopped`, `failure`, `requeued` (reason: the signal, or `failure`), `requeue_limit`,
+`crash_loop`, `interrupted`, `done`.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import subprocess
 import sys
 import typing as tp
 
+from launch.failures import is_failure, next_life, record_failure
 from launch.job import Requeue, lifecycle, run_job
 from launch.rundir import RunDirBusy, RunDirLock
 from rl.config import Config
@@ -46,13 +53,14 @@ class RequeueLimit(RuntimeError):
 
 def slurm_main(cfg: Config, resume: bool = True, force: bool = False) -> dict:
     """Runs the RL job inside the allocation; returns `run_job`'s summary dict when it finishes,
-    the outcome {"status": "requeue_limit", "message"} when it stopped with a checkpoint but
-    may not requeue again, or {"status": "busy", "message"} when another run holds the run
-    directory (`launch.rundir`; nothing started).
+    the outcome {"status": "requeue_limit", "message"} when it stopped with a checkpoint or
+    failed but may not requeue again, {"status": "crash_loop", "message"} when it failed
+    again without progress (`launch.failures`), or {"status": "busy", "message"} when another
+    run holds the run directory (`launch.rundir`; nothing started).
 
     Raises:
-        SystemExit(EXIT_REQUEUE) after requeueing the job, or when a signal interrupted the run
-            (no result is pickled: the job comes back).
+        SystemExit(EXIT_REQUEUE) after requeueing the job (after a stop or a failure), or when a
+            signal interrupted the run (no result is pickled: the job comes back).
     """
     stop = StopRequest().install()
     try:  # one writer, taken before Ray puts its token file there; held until this process ends
@@ -78,12 +86,15 @@ def slurm_main(cfg: Config, resume: bool = True, force: bool = False) -> dict:
             return {"status": "requeue_limit", "message": str(limit), "run_dir": str(cfg.run_dir)}
         # The event goes first: a preemption's SIGTERM (after GraceTime) may cut what follows.
         lifecycle(cfg, "requeued", reason=stop.signal_name, restart_count=restarts, job_id=job_id)
-        stop_ray(cluster)  # type: ignore[arg-type]  # lint baseline (issue 39); before `scontrol requeue`, whose SIGTERM would kill Ray half-way
+        stop_ray(cluster)  # before `scontrol requeue`, whose SIGTERM would kill Ray half-way
         cluster = None
         requeue_self(job_id, restarts, cfg.cluster.max_requeues, str(e))
-    except Exception as e:  # noqa: BLE001 - only when a signal caused it, see below
+    except Exception as e:  # noqa: BLE001 - a signal's doing, a failure, or raised
         if not stop.requested:
-            raise
+            if not is_failure(e):
+                raise  # the user's to fix (config, data): no requeue
+            stopping, cluster = cluster, None  # `_after_failure` stops it
+            return _after_failure(cfg, e, job_id, restarts, stopping)
         # Most likely a SIGTERM: Slurm is ending every step, Ray included, so the checkpoint
         # could not be finished. Exit without a result; the restart resumes from the last one.
         lifecycle(cfg, "interrupted", reason=stop.signal_name, restart_count=restarts,
@@ -94,6 +105,23 @@ def slurm_main(cfg: Config, resume: bool = True, force: bool = False) -> dict:
     finally:
         if cluster is not None:
             stop_ray(cluster)
+
+
+def _after_failure(cfg: Config, error: Exception, job_id: str, restarts: int,
+                   cluster: RayCluster | None) -> dict:
+    """Records the failure and stops Ray; then requeues the job (SystemExit) or, past
+    cluster.max_requeues or in a crash loop, returns the outcome that ends it."""
+    log.error("the run failed", exc_info=error)  # the whole traceback, in the job's log
+    failure = record_failure(cfg, error, restarts)
+    stop_ray(cluster)
+    verdict = next_life(cfg, restarts, failure, verb="requeueing to resume")
+    if not verdict.restart:  # `launch.job.exit_status` prints the message
+        lifecycle(cfg, verdict.outcome["status"], reason="failure", restart_count=restarts,
+                  job_id=job_id)
+        return verdict.outcome
+    print(verdict.line, flush=True)
+    lifecycle(cfg, "requeued", reason="failure", restart_count=restarts, job_id=job_id)
+    requeue_self(job_id, restarts, cfg.cluster.max_requeues, verdict.line.split(";")[0])
 
 
 def _start_ray(cfg: Config, attempts: int = 2) -> RayCluster:

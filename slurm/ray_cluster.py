@@ -344,8 +344,9 @@ def wait_for_nodes(cluster: RayCluster, deadline: float) -> None:
         time.sleep(0.5)
 
 
-def stop_ray(cluster: RayCluster, grace_s: float = 20.0) -> None:
-    """Disconnects this process and stops Ray on every node, gracefully where possible.
+def stop_ray(cluster: RayCluster | None, grace_s: float = 20.0) -> None:
+    """Disconnects this process and stops Ray on every node, gracefully where possible (`None`:
+    Ray did not start; only this process is disconnected).
 
     Per node, a short srun step sends SIGTERM to that node's `ray start --block` by pid (it
     then stops the Ray processes it started). Steps still running after `grace_s` are ended
@@ -355,6 +356,8 @@ def stop_ray(cluster: RayCluster, grace_s: float = 20.0) -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+    if cluster is None:
+        return
     running = [n for n in cluster.nodes
                if n.name in cluster.steps and cluster.steps[n.name].poll() is None]
     stoppers = []

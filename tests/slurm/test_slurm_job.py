@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rl.config import load_config
+from rl.config import ConfigError, load_config
 from rl.signals import EXIT_ABORTED, StopRequest
 from slurm.job import RequeueLimit, _check_requeue_limit
 from slurm.submit import make_executor, wait_for
@@ -97,3 +97,51 @@ def test_wait_returns_the_runs_exit_status(tmp_path, status, code, capsys):
         signal.signal(signal.SIGINT, sigint)
     assert got == code
     assert ("aborted at step 2" in capsys.readouterr().err) == (status == "aborted")
+
+
+def _slurm_failures(monkeypatch, tmp_path, restarts: int, ray_error, **over):
+    """`slurm_main` whose Ray start fails with `ray_error` in life `restarts`; returns (its
+    outcome or the requeue it asked for, the lifecycle events)."""
+    import slurm.job as job
+    cfg = load_config(REPO / "configs" / "slurm_cpu_test.yaml",
+                      [f"output_dir={tmp_path}", *(f"{k}={v}" for k, v in over.items())])
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", str(restarts))
+    monkeypatch.setattr(job, "_start_ray", lambda cfg: (_ for _ in ()).throw(ray_error))
+    stopped = []
+    monkeypatch.setattr(job, "stop_ray", stopped.append)
+    requeued = []
+
+    def requeue_self(job_id, restarts, limit, why):
+        requeued.append((job_id, restarts, limit, why))
+        raise SystemExit(75)
+    monkeypatch.setattr(job, "requeue_self", requeue_self)
+    try:
+        out = job.slurm_main(cfg)
+    except SystemExit as e:
+        out = e.code
+    from launch.rundir import RunDirLock
+    RunDirLock._held[str(cfg.run_dir.resolve())].release()  # as the life's end would
+    events = [json.loads(x) for x in (cfg.run_dir / "lifecycle.jsonl").read_text().splitlines()]
+    return out, requeued, stopped, events
+
+
+def test_a_failure_requeues_the_job_and_a_crash_loop_ends_it(monkeypatch, tmp_path):
+    from slurm.ray_cluster import RayClusterError
+    out, requeued, stopped, events = _slurm_failures(
+        monkeypatch, tmp_path, 0, RayClusterError("n2 did not join"))
+    assert out == 75 and stopped == [None]
+    assert requeued == [("77", 0, 5, "the run failed (RayClusterError: n2 did not join)")]
+    assert [e["event"] for e in events] == ["failure", "requeued"]
+    assert events[1]["reason"] == "failure" and events[0]["checkpoint_step"] is None
+    for life in (1, 2):
+        out, requeued, _, events = _slurm_failures(
+            monkeypatch, tmp_path, life, RayClusterError("n2 did not join"))
+    assert out["status"] == "crash_loop" and not requeued
+    assert "3 failures in a row without a new checkpoint" in out["message"]
+    assert events[-1]["event"] == "crash_loop"
+
+
+def test_a_config_error_in_the_job_is_raised_not_requeued(monkeypatch, tmp_path):
+    with pytest.raises(ConfigError, match="bad key"):
+        _slurm_failures(monkeypatch, tmp_path, 0, ConfigError("bad key"))

@@ -8,7 +8,11 @@ Two runs of configs/slurm_cpu_test.yaml go side by side (module fixture `runs`, 
   it logged step 3 it is requeued from outside (`scontrol requeue`: SIGTERM to every step, Ray
   dies, the restart resumes from the last complete checkpoint); once the restarted job logged a
   new step, an `urgent` job asking for 3 of n1's 4 CPUs preempts it (Slurm sends USR2 first:
-  the driver checkpoints and requeues). It must end with the reference's per-step metrics.
+  the driver checkpoints and requeues). In the next life a trainer process is SIGKILLed in the
+  middle of a step (the driver fails at once, records the failure and requeues the job), and in
+  the one after, node n2 is lost: every process in its network namespace is killed (its slurmd,
+  Ray's raylet, a trainer rank), then the node is started again (`slurm/testing/start.sh`). The
+  run must end with the reference's per-step metrics.
 The preemptor can only start by preempting `interrupted` (2 CPUs on n1), whether the reference
 (1 CPU) still runs or not, so its target is deterministic.
 """
@@ -16,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -85,8 +90,77 @@ def _still_running(job_id: str) -> bool:
     return True
 
 
-def interrupt(run_dir: Path, job_id: str, out: Path, record: dict) -> None:
-    """Requeue `job_id` from outside after step 3; preempt it after the restart's first step."""
+def _failures(run_dir: Path) -> int:
+    return sum(e.get("event") == "failure" for e in read_jsonl(run_dir / "lifecycle.jsonl"))
+
+
+def _starts(run_dir: Path) -> int:
+    return sum(e.get("event") == "start" for e in read_jsonl(run_dir / "lifecycle.jsonl"))
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process on this machine."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        out[int(d.name)] = (ppid, cmd)
+    return out
+
+
+def trainer_processes(job_id: str, in_step: bool) -> list[int]:
+    """The TrainerWorker processes of `job_id`'s Ray (a descendant of its `ray start`, whose
+    command line names /tmp/rlray-JOB-NODE); `in_step`: only those running train_step."""
+    procs = _processes()
+
+    def of_job(pid: int) -> bool:
+        for _ in range(20):
+            if pid not in procs:
+                return False
+            pid, cmd = procs[pid]
+            if f"rlray-{job_id}-" in cmd:
+                return True
+        return False
+    return [pid for pid, (_, cmd) in procs.items()
+            if cmd.startswith("ray::TrainerWorker") and (not in_step or "train_step" in cmd)
+            and of_job(pid)]
+
+
+def kill_trainer_mid_step(job_id: str) -> int:
+    """SIGKILL one trainer process of `job_id`, caught in train_step if it shows within 120 s."""
+    try:
+        pids = wait_until(lambda: trainer_processes(job_id, in_step=True), 120,
+                          "a trainer in train_step", poll_s=0.05)
+    except TimeoutError:
+        pids = trainer_processes(job_id, in_step=False)
+    assert pids, f"no trainer process of job {job_id}"
+    os.kill(pids[0], signal.SIGKILL)
+    return pids[0]
+
+
+def lose_node(node: str) -> list[int]:
+    """Kill every process in `node`'s network namespace (its slurmd and all the job runs there),
+    as a node that loses power; `slurm/testing/start.sh` starts its slurmd again."""
+    pids = subprocess.run(["ip", "netns", "pids", f"rl-{node}"], capture_output=True, text=True,
+                          check=True).stdout.split()
+    for pid in map(int, pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return [int(p) for p in pids]
+
+
+def interrupt(run_dir: Path, job_id: str, out: Path, record: dict,
+              reference: subprocess.Popen) -> None:
+    """Requeue `job_id` from outside after step 3; preempt it after the restart's first step;
+    kill a trainer process mid-step after the next restart's first step; lose node n2 after
+    the next one's."""
     try:
         wait_until(lambda: _still_running(job_id)
                    and len(read_jsonl(run_dir / "metrics.jsonl")) >= 3, RUN_TIMEOUT_S,
@@ -101,6 +175,30 @@ def interrupt(run_dir: Path, job_id: str, out: Path, record: dict) -> None:
              "-o", str(out / "urgent.out"), "--wrap", "sleep 2"],
             check=True, capture_output=True, text=True)
         record["preemptor"] = urgent.stdout.strip()
+        # A trainer process SIGKILLed in the middle of a step. The count of failures is taken
+        # before the kill, so that the failure cannot come and go unseen.
+        wait_until(lambda: _still_running(job_id) and life_steps(job_output(run_dir), 2),
+                   RUN_TIMEOUT_S, "a trained step after the second resume", poll_s=0.5)
+        before = _failures(run_dir)
+        record["trainer_killed_at_step"] = len(read_jsonl(run_dir / "metrics.jsonl"))
+        record["trainer_killed"] = kill_trainer_mid_step(job_id)
+        wait_until(lambda: _failures(run_dir) > before, 600, "the killed trainer's failure",
+                   poll_s=0.5)
+        # Node n2 lost, once the reference (which also runs on n2) is done.
+        wait_until(lambda: _still_running(job_id) and life_steps(job_output(run_dir), 3),
+                   RUN_TIMEOUT_S, "a trained step after the third resume", poll_s=0.5)
+        reference.wait(RUN_TIMEOUT_S)
+        before, starts = _failures(run_dir), _starts(run_dir)
+        record["node_lost_at_step"] = len(read_jsonl(run_dir / "metrics.jsonl"))
+        try:
+            record["node_lost"] = lose_node("n2")
+            # The driver notices through Ray (the node's actors die) and requeues; Slurm may
+            # instead requeue the job first (its node stopped answering: SlurmdTimeout).
+            wait_until(lambda: _failures(run_dir) > before or _starts(run_dir) > starts, 600,
+                       "the lost node's failure", poll_s=0.5)
+        finally:  # the node comes back whatever happened, or every later test loses it
+            subprocess.run(["bash", str(REPO / "slurm" / "testing" / "start.sh")], check=True,
+                           capture_output=True, timeout=600)
     except BaseException as e:  # noqa: BLE001 - reported by the test that needs it
         record["error"] = repr(e)
     finally:
@@ -130,7 +228,8 @@ def runs(slurm_cluster, tmp_path_factory, request):
         job_id = json.loads((interrupted_dir / "slurm_job.json").read_text())["job_id"]
         job_ids.append(job_id)
         record: dict = {"job_id": job_id}
-        thread = threading.Thread(target=interrupt, args=(interrupted_dir, job_id, out, record),
+        thread = threading.Thread(target=interrupt,
+                                  args=(interrupted_dir, job_id, out, record, reference),
                                   daemon=True)
         thread.start()
         yield {"out": out, "reference": reference, "reference_log": out / "reference.log",
@@ -195,27 +294,35 @@ def test_submit_wait_runs_the_loop_on_trainer_and_rollout_nodes(runs):
     assert final_state(job_id, 60) == "COMPLETED"
 
 
-@pytest.mark.timeout(RUN_TIMEOUT_S + 300)
-def test_requeue_and_preemption_resume_to_the_uninterrupted_metrics(runs):
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_requeue_preemption_crash_and_lost_node_resume_to_the_uninterrupted_metrics(runs):
     record, run_dir = runs["record"], runs["interrupted_dir"]
     job_id = record["job_id"]
-    wait_until(lambda: record.get("done"), RUN_TIMEOUT_S, "the interruptions", poll_s=2)
+    wait_until(lambda: record.get("done"), 2 * RUN_TIMEOUT_S, "the interruptions", poll_s=2)
     assert "error" not in record, record
     final = final_state(job_id, RUN_TIMEOUT_S)
     output = job_output(run_dir)
     assert final == "COMPLETED", output[-4000:]
     events = read_jsonl(run_dir / "lifecycle.jsonl")
     starts = [e for e in events if e["event"] == "start"]
-    assert [e["restart_count"] for e in starts] == [0, 1, 2], events
+    assert [e["restart_count"] for e in starts] == [0, 1, 2, 3, 4], events
+    lives = [events[events.index(a) + 1: events.index(b) if b else None]
+             for a, b in zip(starts, starts[1:] + [None])]
     # The preemption went through the signal path: USR2, checkpoint, our own requeue.
-    second_life = events[events.index(starts[1]) + 1: events.index(starts[2])]
-    stopped = [e for e in second_life if e["event"] == "stopped"]
-    assert stopped and stopped[0]["reason"] == "SIGUSR2", second_life
-    assert any(e["event"] == "requeued" and e["reason"] == "SIGUSR2" for e in second_life)
+    stopped = [e for e in lives[1] if e["event"] == "stopped"]
+    assert stopped and stopped[0]["reason"] == "SIGUSR2", lives[1]
+    assert any(e["event"] == "requeued" and e["reason"] == "SIGUSR2" for e in lives[1])
+    # The killed trainer and the lost node: each a failure the driver recorded, then its own
+    # requeue.
+    assert [e["event"] for e in lives[2]][-2:] == ["failure", "requeued"], lives[2]
+    assert lives[2][-2]["error"] == "ActorDied" and lives[2][-1]["reason"] == "failure"
+    # (the lost node: unless Slurm's own node-failure requeue came first)
+    assert ([e["event"] for e in lives[3]][-2:] == ["failure", "requeued"]
+            or not any(e["event"] == "failure" for e in lives[3])), lives[3]
     # Each restart resumed from a checkpoint written before its interruption.
     resumed = [int(line.rsplit("step ", 1)[1]) for line in output.splitlines()
                if line.startswith("resuming ")]
-    assert len(resumed) == 2, resumed
+    assert len(resumed) == 4, resumed
     # The outside requeue came once step 3 was logged; the step then in flight (4, a checkpoint
     # step) may still have finished and saved before the SIGTERM arrived. Either way the first
     # resume is from a checkpoint the first life reached.
@@ -223,6 +330,8 @@ def test_requeue_and_preemption_resume_to_the_uninterrupted_metrics(runs):
     assert 2 <= resumed[0] <= min(reached, record["requeued_at_step"] + 1), (
         resumed, reached, record)
     assert resumed[1] >= max(resumed[0], record["preempted_at_step"]), (resumed, record)
+    assert resumed[1] <= resumed[2] <= record["trainer_killed_at_step"], (resumed, record)
+    assert resumed[2] <= resumed[3] <= record["node_lost_at_step"], (resumed, record)
     assert events[-1]["event"] == "done" and events[-1]["step"] == NUM_STEPS
     # Per-step metrics equal the uninterrupted run's, bit for bit.
     runs["reference"].wait(RUN_TIMEOUT_S)
@@ -239,8 +348,8 @@ def test_requeue_and_preemption_resume_to_the_uninterrupted_metrics(runs):
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
     counts = [(e.step, e.value) for e in acc.Scalars("slurm/restart_count")]
-    assert counts == [(0, 0.0), (resumed[0], 1.0), (resumed[1], 2.0)], counts
-    assert acc.Scalars("slurm/requeue_signal")[-1].value == 12.0
+    assert counts == [(0, 0.0)] + [(s, float(k + 1)) for k, s in enumerate(resumed)], counts
+    assert acc.Scalars("slurm/requeue_signal")[2].value == 12.0
     assert [e.step for e in acc.Scalars("reward/mean")] == steps
 
 
@@ -255,5 +364,5 @@ def test_status_shows_state_step_restarts_and_checkpoint(runs):
     job_id = runs["record"]["job_id"]
     assert f"job:        {job_id}  state: COMPLETED" in out.stdout, out.stdout
     assert f"step:       {NUM_STEPS}" in out.stdout
-    assert "restarts:   2  (last: requeued on SIGUSR2)" in out.stdout
+    assert "restarts:   4, failures: " in out.stdout, out.stdout
     assert f"checkpoint: {run_dir / 'checkpoints' / f'step_{NUM_STEPS:06d}'}" in out.stdout
