@@ -12,7 +12,7 @@ import time
 
 from rl.cluster.actors import Future, wait_all
 from rl.rollout.base import Sample, SamplingParams
-from rl.trainer.batch import TrainBatch
+from rl.trainer.batch import TrainBatch, TrainStats
 
 
 class TrainerGroup:
@@ -22,14 +22,14 @@ class TrainerGroup:
     def ping_async(self) -> list[Future]:
         return [a.call("ping") for a in self.actors]
 
-    def train(self, batch: TrainBatch, step: int) -> tuple[dict, list[list[float]]]:
-        """(rank-averaged statistics, the trainer's old log-probs of every sample in batch
-        order)."""
+    def train(self, batch: TrainBatch, step: int) -> TrainStats:
+        """One step on every rank: the rank-agreed metrics and the old log-probs of every
+        sample (each rank reports its shard's)."""
         results = wait_all([a.call("train_step", batch, step) for a in self.actors])
         old: dict[int, list[float]] = {}
         for r in results:
-            old.update(r.pop("old_logprobs"))
-        return results[0], [old.get(i, []) for i in range(len(batch))]
+            old.update(r.old_logprobs)
+        return TrainStats(metrics=results[0].metrics, old_logprobs=old)
 
     def score(self, prompt_ids: list[list[int]], response_ids: list[list[int]]
               ) -> list[list[float]]:
