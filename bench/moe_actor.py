@@ -70,7 +70,7 @@ class CountingWorker(TrainerWorker):
             torch.cuda.reset_peak_memory_stats()
         self.comm.clear()
         t0 = time.perf_counter()
-        stats = self.train_step(batch, step)
+        stats = self.train_step(batch, step).metrics
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return {"seconds": time.perf_counter() - t0, "comm": dict(self.comm),

@@ -67,7 +67,7 @@ def main() -> None:
     for step in range(steps + 1):
         sync()
         t0 = time.perf_counter()
-        stats = worker.train_step(batch, step)
+        stats = worker.train_step(batch, step).metrics
         sync()
         if step:  # the first step compiles / allocates
             times.append(time.perf_counter() - t0)

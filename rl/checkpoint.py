@@ -44,6 +44,7 @@ from typing import AbstractSet, Callable
 
 import torch
 
+from rl import faults
 from rl.checkpoint_files import (digest_problem, fsync_dir, list_files, release_files, seal_files,
                                  sha256_files, size_problem)
 from rl.config import ConfigError
@@ -114,6 +115,7 @@ class CheckpointManager:
         os.chmod(self.root, 0o700)  # rl.private_files: checkpoints stay private whatever the umask
         self.keep_last, self.keep_every, self.checksums = keep_last, keep_every, checksums
         self.last_seconds: float | None = None
+        self._fault_sleep_s = faults.checkpoint_sleep_s()
         """How long the last `save` took [s] (the driver keeps that much of a grace period back)."""
 
     # ---- writing ---------------------------------------------------------------------------
@@ -132,9 +134,8 @@ class CheckpointManager:
         tmp.mkdir()
         try:
             files = dict(write_payload(tmp) or {})
-            # Fault injection for the crash-during-checkpoint test: a window in which the payload
-            # is on disk but the checkpoint is not complete yet.
-            time.sleep(float(os.environ.get("RL_FAULT_CHECKPOINT_SLEEP_S", "0") or 0))
+            if self._fault_sleep_s:  # a window in which the payload is on disk but the
+                time.sleep(self._fault_sleep_s)  # checkpoint is not complete (rl.faults)
             rest = [rel for rel in list_files(tmp) if rel not in files]
             sealed, seal_s = seal_files(tmp, rest, self.checksums)
             files.update({rel: {**rec, "rank": "driver"} for rel, rec in sealed.items()})

@@ -1,4 +1,13 @@
-"""Fault injection at named points of the driver, for the tests that prove each recovery path.
+"""Fault injection, for the tests that prove each recovery path; never set outside tests.
+
+Every `RL_FAULT_*` variable is read here, once, when the object that acts on it is built
+(`FaultInjector` in the driver, `TrainerFaults` in each trainer rank, `checkpoint_sleep_s` by the
+checkpoint manager): no hot loop reads the environment.
+
+`RL_FAULT_NAN_STEP=STEP[,STEP...]` makes rank 0's losses NaN in those RL steps (the skip must then
+happen on every rank); `RL_FAULT_TRAINER_INIT` (any value) makes every trainer rank fail while
+starting; `RL_FAULT_CHECKPOINT_SLEEP_S=S` sleeps S seconds between a checkpoint's payload and its
+manifest (a window for a crash during the save).
 
 `RL_FAULT_KILL_ENGINE=POINT:STEP[,POINT:STEP...]` kills rollout engine 0 right before the
 driver's call at POINT during step STEP (step 0: before the first step, e.g. the warm-start
@@ -19,12 +28,20 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 POINTS = ("generate", "sync", "versions", "probe", "evaluate", "busy_poll")
 ENV = "RL_FAULT_KILL_ENGINE"
 TRAINER_ENV = "RL_FAULT_KILL_TRAINER"
+FAULT_NAN_STEP = "RL_FAULT_NAN_STEP"
+FAULT_INIT = "RL_FAULT_TRAINER_INIT"
+FAULT_CHECKPOINT_SLEEP = "RL_FAULT_CHECKPOINT_SLEEP_S"
 
 
 def parse(text: str) -> set[tuple[str, int]]:
@@ -70,3 +87,33 @@ class FaultInjector:
             log.warning("fault injection: killing trainer rank %d before the train call of "
                         "step %d", len(runtime.trainers) - 1, step)
             runtime.trainers[-1].kill()
+
+@dataclass(frozen=True, slots=True)
+class TrainerFaults:
+    """A trainer rank's injected faults, read from the environment once, when the rank starts."""
+    fail_init: bool = False
+    """Fail while starting (`RL_FAULT_TRAINER_INIT`)."""
+    nan_steps: frozenset[int] = field(default_factory=frozenset)
+    """RL steps whose losses become NaN on rank 0 (`RL_FAULT_NAN_STEP`)."""
+
+    @classmethod
+    def from_env(cls) -> TrainerFaults:
+        steps = os.environ.get(FAULT_NAN_STEP, "")
+        return cls(fail_init=bool(os.environ.get(FAULT_INIT)),
+                   nan_steps=frozenset(int(v) for v in steps.split(",") if v.strip()))
+
+    def check_init(self, rank: int) -> None:
+        if self.fail_init:
+            raise RuntimeError(f"trainer rank {rank}: injected start failure ({FAULT_INIT})")
+
+    def poison(self, loss: torch.Tensor, rank: int, step: int) -> torch.Tensor:
+        """`loss`, made NaN on rank 0 in the listed steps (one rank only: the others must
+        learn of it through the all-reduced finiteness flag)."""
+        if rank == 0 and step in self.nan_steps:
+            return loss * float("nan")
+        return loss
+
+
+def checkpoint_sleep_s() -> float:
+    """Seconds a checkpoint save waits between its payload and its manifest (0: none)."""
+    return float(os.environ.get(FAULT_CHECKPOINT_SLEEP, "0") or 0)

@@ -250,10 +250,10 @@ class Run:
         train_batch = TrainBatch.from_samples(
             samples, adv, routing=pipe.sampling.return_routing)  # what the engines were asked for
         self.faults.before_train(step, self.restart.count, self.runtime)  # tests only
-        train_stats, old_logprobs = self.runtime.trainer.train(train_batch, step)
+        trained = self.runtime.trainer.train(train_batch, step)
         t_train = time.perf_counter() - t0
         # the ranks skipped (together) any optimizer step with a non-finite loss or gradient
-        bad = train_stats["train/skipped"] > 0
+        bad = trained.skipped > 0
         state.bad_in_a_row = state.bad_in_a_row + 1 if bad else 0
         state.skipped_steps += int(bad)
         # 6. the generations in flight end (finished, or cut at the interrupt budget) before
@@ -283,7 +283,7 @@ class Run:
         state.step = step
         t_total = time.perf_counter() - t_step
         busy = self.publisher.busy_seconds()
-        metrics.update(train_stats)
+        metrics.update(trained.metrics)
         metrics.update(rollout_metrics(samples, parts, batch.seconds, cfg.rollout.n_samples,
                                        self.rewards.failures))
         metrics.update({"sync/seconds": sync_stats.get("seconds", 0.0),
@@ -307,7 +307,8 @@ class Run:
                         "time/sync": t_sync, "time/eval": t_eval, "time/step": t_total})
         self._busy_before = busy
         self.recorder.histogram(step, "rollout/staleness", lags)
-        self.recorder.record(step, metrics, batch, parts, adv, old_logprobs, lags)
+        self.recorder.record(step, metrics, batch, parts, adv,
+                             trained.old_logprobs_in_order(len(train_batch)), lags)
         result.history.append({"step": step, **metrics})
         if state.bad_in_a_row >= cfg.checkpoint.max_bad_steps:
             log.error("%d non-finite steps in a row: aborting with a checkpoint",

@@ -67,9 +67,10 @@ class Recorder:
         self.tensorboard.histogram(step, tag, values)  # type: ignore[union-attr]  # lint baseline (issue 39)
 
     def record(self, step: int, metrics: dict, batch=None, parts=None, advantages=None,
-               old_logprobs=None, lags=None) -> None:
+               old_logprobs: list[list[float]] | None = None, lags=None) -> None:
         """A finished step: TensorBoard, its metrics.jsonl row, its trajectories (`batch`, a
-        `rl.pipeline.RolloutBatch`, with its rewards and advantages), its console line."""
+        `rl.pipeline.RolloutBatch`, with its rewards and advantages; `old_logprobs`: the
+        trainer's, in batch order, `TrainStats.old_logprobs_in_order`), its console line."""
         self.log(step, metrics)
         with open(self.jsonl, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")

@@ -16,7 +16,7 @@ import time
 from rl.cluster.actors import CallTimeout, Future, wait_all, wait_each
 from rl.config import DeadlinesConfig
 from rl.rollout.base import Sample, SamplingParams
-from rl.trainer.batch import TrainBatch
+from rl.trainer.batch import TrainBatch, TrainStats
 
 
 def _waiter(group: str, deadlines: DeadlinesConfig):
@@ -36,15 +36,15 @@ class TrainerGroup:
     def ping_async(self) -> list[Future]:
         return [a.call("ping") for a in self.actors]
 
-    def train(self, batch: TrainBatch, step: int) -> tuple[dict, list[list[float]]]:
-        """(rank-averaged statistics, the trainer's old log-probs of every sample in batch
-        order)."""
+    def train(self, batch: TrainBatch, step: int) -> TrainStats:
+        """One step on every rank: the rank-agreed metrics and the old log-probs of every
+        sample (each rank reports its shard's)."""
         results = self._wait([a.call("train_step", batch, step) for a in self.actors],
                              f"train_step of step {step}", "train_s")
         old: dict[int, list[float]] = {}
         for r in results:
-            old.update(r.pop("old_logprobs"))
-        return results[0], [old.get(i, []) for i in range(len(batch))]
+            old.update(r.old_logprobs)
+        return TrainStats(metrics=results[0].metrics, old_logprobs=old)
 
     def score(self, prompt_ids: list[list[int]], response_ids: list[list[int]]
               ) -> list[list[float]]:

@@ -43,7 +43,10 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05
 """How often a waiting `map` checks `cancelled` (and the deadlines)."""
 START_TIMEOUT_S = 300.0
-"""A worker that has not imported and warmed its function by then is a fault (not a sample's)."""
+"""A worker that has not imported and warmed its function this long after the pool began waiting
+for it is a fault (not a sample's). Counted from the first wait, not from the worker's start: a
+pool may sit idle for longer between its start and its first `map` (a long SFT warm start),
+with the worker's "ready" unread in its socket."""
 SANDBOX_GRACE_S = 5.0
 """With the sandbox the worker enforces the time limit itself (it kills the call's process);
 the driver kills the worker only when it is this much later still."""
@@ -86,9 +89,10 @@ Tag = tuple[int, int]
 class _Worker:
     proc: subprocess.Popen
     conn: Connection
-    started: float
     state: str = "starting"
     """`starting` (importing the function), `warming` or `ready`."""
+    start_deadline: float | None = None
+    """When it is a fault if not ready yet: set the first time the pool waits for it."""
     queue: deque[Tag] = field(default_factory=deque)
     """The calls sent to it, in order: the first is running, the others wait in its socket."""
     deadline: float = float("inf")
@@ -204,7 +208,7 @@ class RewardPool:
             child.close()
         conn = Connection(parent.detach())
         conn.send(self._init)
-        return _Worker(proc, conn, time.monotonic())
+        return _Worker(proc, conn)
 
     def _send(self, w: _Worker, tag: Tag, call: tuple) -> bool:
         try:
@@ -259,8 +263,8 @@ class RewardPool:
             log.warning("reward worker %d %s (%s); replacing it", w.proc.pid, why,
                         describe_exit(code))
         new = self._spawn()
-        w.proc, w.conn, w.started, w.state, w.queue, w.deadline = (
-            new.proc, new.conn, new.started, "starting", deque(), float("inf"))
+        w.proc, w.conn, w.state, w.start_deadline, w.queue, w.deadline = (
+            new.proc, new.conn, "starting", None, deque(), float("inf"))
         if not queue:
             return []
         message = message or (f"WorkerDied: the reward worker {describe_exit(code)} during "
@@ -268,10 +272,21 @@ class RewardPool:
         return [(queue[0], (False, message))] + [(tag, None) for tag in queue[1:]]
 
     def _check_starting(self, now: float) -> None:
+        """Called while waiting (`map`, `_await`): a worker still not ready START_TIMEOUT_S
+        after the pool first waited for it is a fault, once what it has sent is read (a pool
+        that sat idle reads one message a worker per round: "ready" may be next)."""
+        def late(w: _Worker) -> bool:
+            return (w.state != "ready" and w.start_deadline is not None
+                    and now > w.start_deadline)
         for w in self._workers:
-            if w.state in ("starting", "warming") and now - w.started > START_TIMEOUT_S:
+            if w.state != "ready" and w.start_deadline is None:
+                w.start_deadline = now + START_TIMEOUT_S
+            while late(w) and w.conn.poll():
+                self._receive(w)  # a starting worker has no calls: no outcome is lost
+            if late(w):
                 raise RuntimeError(f"reward worker {w.proc.pid} for {self.function!r} was not "
-                                   f"ready after {START_TIMEOUT_S:g}s")
+                                   f"ready {START_TIMEOUT_S:g}s after the pool began waiting "
+                                   "for it")
 
     def _await(self, done: Callable[[_Worker], bool], what: str) -> None:
         while not all(done(w) for w in self._workers):

@@ -61,3 +61,25 @@ class TrainBatch:
 
 PER_TOKEN_EXTRAS: tuple[str, ...] = ()
 """Names of TrainBatch's optional per-token fields (declared under "optional per-token extras")."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainStats:
+    """What one training step returns: `TrainerWorker.train_step` on one rank, and
+    `rl.cluster.facades.TrainerGroup.train` for all of them."""
+    metrics: dict[str, float]
+    """`train/<key>` metrics (`rollout/routing_agreement` too under routing replay r3), the same
+    on every rank: means over ranks, true max/min for `*_max`/`*_min`, `train/tokens_per_s`
+    summed over ranks (tags: rl/metrics/tensorboard.py)."""
+    old_logprobs: dict[int, list[float]]
+    """The trainer's log-prob of each response token before the update, by sample index into
+    the step's batch: this rank's shard from a worker, every sample from the group."""
+
+    @property
+    def skipped(self) -> int:
+        """Optimizer steps skipped (non-finite loss or gradients), the same on every rank."""
+        return int(self.metrics["train/skipped"])
+
+    def old_logprobs_in_order(self, num_samples: int) -> list[list[float]]:
+        """`old_logprobs` in batch order (empty for a sample no rank reported)."""
+        return [self.old_logprobs.get(i, []) for i in range(num_samples)]

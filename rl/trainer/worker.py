@@ -17,7 +17,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,24 +26,12 @@ import torch
 from rl import safe_load
 from rl.checkpoint_files import release_files, seal_files, sha256_files
 from rl.config import AlgorithmConfig, SyncConfig, TrainerConfig
+from rl.faults import TrainerFaults
 from rl.trainer import losses
-from rl.trainer.batch import TrainBatch
+from rl.trainer.batch import TrainBatch, TrainStats
 from rl.trainer.checkpoint_io import RecordingCheckpointEngine, rank_files
 from rl.trainer.microbatch import Micro, micro_batches, pad_batch
 from rl.trainer.weights import WeightSender
-
-
-FAULT_NAN_STEP = "RL_FAULT_NAN_STEP"
-"""Fault injection, for tests only: the environment variable listing RL steps (`2` or `2,4,5`)
-whose losses become NaN on rank 0 (the skip must then happen on every rank)."""
-
-
-FAULT_INIT = "RL_FAULT_TRAINER_INIT"
-"""Fault injection, for tests only: when set, every trainer rank fails while starting."""
-
-
-def _fault_nan_steps() -> set[int]:
-    return {int(v) for v in os.environ.get(FAULT_NAN_STEP, "").split(",") if v.strip()}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -99,6 +87,54 @@ def ds_config(cfg: TrainerConfig, bf16: bool) -> dict:
     }
 
 
+@dataclass(slots=True)
+class Frozen:
+    """A micro-batch's log-probs (B, L-1) under weights that stay put during the step."""
+    old: torch.Tensor
+    """The actor's before the step's first update (the PPO ratio's denominator)."""
+    ref: torch.Tensor | None
+    """The frozen reference model's (None without `algorithm.kl_coef`)."""
+
+
+@dataclass(slots=True)
+class _StepSums:
+    """A step's rank-local statistics over its real (weight > 0) micro-batches."""
+    sums: dict[str, float] = field(default_factory=dict)
+    """`policy_loss` statistics summed (means once divided by `count`)."""
+    extremes: dict[str, float] = field(default_factory=dict)
+    """The `*_max` / `*_min` statistics: max / min over the micro-batches."""
+    count: int = 0
+    num_tokens: int = 0
+    """Input tokens (prompt + response) trained on, every epoch counted."""
+    grad_norms: list[float] = field(default_factory=list)
+    """The global gradient norm of each applied optimizer step (when DeepSpeed computes one)."""
+    skipped: int = 0
+    """Optimizer steps skipped (non-finite loss or gradients), the same on every rank."""
+
+    def add(self, stats: dict[str, float], num_tokens: int) -> None:
+        for k, v in stats.items():
+            if k.endswith("_max"):
+                self.extremes[k] = max(self.extremes.get(k, -math.inf), v)
+            elif k.endswith("_min"):
+                self.extremes[k] = min(self.extremes.get(k, math.inf), v)
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v
+        self.count += 1
+        self.num_tokens += num_tokens
+
+
+def _old_logprobs_by_sample(mbs: list[Micro], frozen: list[Frozen]) -> dict[int, list[float]]:
+    """The trainer's side of each sample's log-probs, for the trajectory log (this rank's
+    shard, padding micro-batches left out)."""
+    out: dict[int, list[float]] = {}
+    for mb, f in zip(mbs, frozen):
+        if mb.weight > 0:
+            lp, mask = f.old.cpu(), mb.resp_mask[:, 1:].bool()
+            for row, i in enumerate(mb.index):
+                out[i] = lp[row][mask[row]].tolist()
+    return out
+
+
 class PeerSaveFailed(RuntimeError):
     """This rank wrote its part of the checkpoint, but another rank's write failed."""
 
@@ -108,8 +144,8 @@ class TrainerWorker:
                  dtype: str, rank_info: RankInfo, seed: int, total_optimizer_steps: int):
         from rl.signals import shield_worker
         shield_worker()
-        if os.environ.get(FAULT_INIT):
-            raise RuntimeError(f"trainer rank {rank_info.rank}: injected start failure ({FAULT_INIT})")
+        self.faults = TrainerFaults.from_env()  # injected faults (tests only), read once
+        self.faults.check_init(rank_info.rank)
         self.cfg, self.algo, self.sync_cfg = cfg, algo, sync
         self.rank, self.world_size = rank_info.rank, rank_info.world_size
         torch.set_num_threads(cfg.torch_threads)
@@ -223,137 +259,142 @@ class TrainerWorker:
                           attention=self.cfg.attention_kernel)
 
     # ---- log-probs -----------------------------------------------------------------------
-    def _forward_logprobs(self, model, mb: Micro, with_entropy: bool):
+    def _forward_logprobs(self, model, mb: Micro) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-prob (B, L-1) of each next token, the logits (B, L-1, V) it came from)."""
         out = model(input_ids=mb.input_ids.to(self.device),
                     attention_mask=mb.attention_mask.to(self.device), use_cache=False)
         # logits[t] predicts token t+1: response token j sits at input position P + j.
         logits = out.logits[:, :-1]  # token_logprobs upcasts chunk by chunk
         targets = mb.input_ids[:, 1:].to(self.device)
-        logp = losses.token_logprobs(logits, targets)
-        ent = losses.entropy_from_logits(logits) if with_entropy else None
-        self._last_logits = logits
-        return logp, ent
+        return losses.token_logprobs(logits, targets), logits
 
     @torch.no_grad()
     def score(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """Per-token log-probs of the responses (all ranks compute all; collective under ZeRO-3)."""
         self.engine.module.eval()
         batch = pad_batch(prompt_ids, response_ids)
-        logp, _ = self._forward_logprobs(self.engine.module, batch, with_entropy=False)
+        logp, _ = self._forward_logprobs(self.engine.module, batch)
         self.engine.module.train()
         return [logp[i, batch.resp_mask[i, 1:].bool()].tolist() for i in range(len(prompt_ids))]
 
     # ---- training ------------------------------------------------------------------------
-    def train_step(self, batch: TrainBatch, step: int) -> dict:
-        """PPO epochs x mini-batches over this rank's shard. Returns rank-averaged statistics."""
-        import torch.distributed as dist
-
+    def train_step(self, batch: TrainBatch, step: int) -> TrainStats:
+        """PPO epochs x mini-batches over this rank's shard: the frozen log-probs once, then one
+        `_update` per mini-batch. Returns rank-agreed metrics and this rank's old log-probs."""
         t0 = time.perf_counter()
         mine = list(range(self.rank, len(batch), self.world_size))
         advantages = torch.tensor(batch.advantages, dtype=torch.float32)
         mbs = micro_batches(batch, mine, self.cfg.micro_batch_tokens, self.world_size)
-        # Old (behaviour-at-train-time) and reference log-probs, once, before any update.
-        old_logp, ref_logp = {}, {}
-        self.engine.module.eval()
-        with torch.no_grad():
-            if self.replay is not None:
-                self.replay.reset()
-            for mb in mbs:
-                if self.replay is not None:
-                    old_logp[id(mb)] = self.replay.old_pass(
-                        lambda: self._forward_logprobs(self.engine.module, mb, False)[0], mb)  # noqa: B023
-                else:
-                    old_logp[id(mb)], _ = self._forward_logprobs(self.engine.module, mb, False)
-                if self.ref_model is not None:
-                    ref_logp[id(mb)], _ = self._forward_logprobs(self.ref_model, mb, False)
-        self.engine.module.train()
-        # The trainer's side of each sample's log-probs, for the trajectory log (this rank's shard).
-        old_by_sample: dict[int, list[float]] = {}
-        for mb in mbs:
-            if mb.weight > 0:
-                lp, mask = old_logp[id(mb)].cpu(), mb.resp_mask[:, 1:].bool()
-                for row, i in enumerate(mb.index):
-                    old_by_sample[i] = lp[row][mask[row]].tolist()
-
-        stats_sum: dict[str, float] = {}
-        extremes: dict[str, float] = {}
-        count = 0
-        grad_norms = []
-        skipped = 0
-        num_tokens = 0
+        frozen = self._frozen_logprobs(mbs)
+        old_logprobs = _old_logprobs_by_sample(mbs, frozen)
+        acc = _StepSums()
         rng = random.Random(step * 7919 + 17)
-        for _epoch in range(self.cfg.ppo_epochs):
+        for _ in range(self.cfg.ppo_epochs):
             order = list(range(len(mbs)))
             rng.shuffle(order)  # same permutation on every rank (same seed)
             # Fewer micro-batches than mini-batches leaves some splits empty: an optimizer step
             # without a backward breaks ZeRO-3, so they are skipped (the same on every rank).
-            groups = [g for g in np.array_split(np.array(order, dtype=np.int64),
-                                                self.cfg.num_mini_batches) if len(g)]
-            for group in groups:
-                group = [mbs[i] for i in group]
-                denom = self._global_denominator(group)
-                finite = True
-                for mb in group:
-                    # Replay spans forward and backward (activation checkpointing re-runs the
-                    # forward inside backward).
-                    replaying = contextlib.ExitStack()
-                    if self.replay is not None:
-                        replaying.enter_context(self.replay.update_pass(mb))
-                    # Through the engine (not engine.module): DeepSpeed's forward advances ZeRO-3's
-                    # micro-step, without which each micro-batch overwrites the last one's grads.
-                    logp, ent = self._forward_logprobs(self.engine, mb,
-                                                       with_entropy=self.algo.entropy_coef > 0)
-                    if ent is None:  # logged only: no graph kept for it
-                        with torch.no_grad():
-                            ent = losses.entropy_from_logits(self._last_logits.detach())
-                    mask = mb.resp_mask[:, 1:].to(self.device)
-                    rollout = mb.rollout_logp[:, 1:].to(self.device)
-                    loss, st = losses.policy_loss(
-                        logp, old_logp[id(mb)], advantages[mb.index].to(self.device), mask,
-                        self.algo, rollout_logp=rollout if self.algo.tis_cap is not None else None,
-                        ref_logp=ref_logp.get(id(mb)), entropy=ent, agg_denominator=denom)
-                    if self.rank == 0 and step in _fault_nan_steps():
-                        loss = loss * float("nan")  # fault injection (tests): one rank only
-                    finite = finite and bool(torch.isfinite(loss))
-                    # DeepSpeed averages gradients over ranks; the denominator is already global.
-                    self.engine.backward(loss * mb.weight * self.world_size)
-                    replaying.close()
-                    if mb.weight > 0:
-                        for k, v in st.items():
-                            if k.endswith("_max"):
-                                extremes[k] = max(extremes.get(k, -math.inf), v)
-                            elif k.endswith("_min"):
-                                extremes[k] = min(extremes.get(k, math.inf), v)
-                            else:
-                                stats_sum[k] = stats_sum.get(k, 0.0) + v
-                        count += 1
-                        num_tokens += int(mb.attention_mask.sum())
-                # Every rank takes the same branch (the flag is all-reduced), so ZeRO's
-                # collectives stay matched and no rank updates weights the others drop.
-                if self._finite_on_all_ranks(finite and self._local_grads_finite()):
-                    if self.ep is not None:
-                        lr = self.engine.get_lr()[0]  # this step's (step() moves the scheduler)
-                        self.ep.reduce_grads(self.world_size)
-                    self.engine.step()
-                    applied = self.engine.was_step_applied()  # False: DeepSpeed's own overflow skip
-                    if self.ep is not None and applied:
-                        self.ep.step(lr, float(self.engine.get_global_grad_norm()),
-                                     self.cfg.grad_clip)
-                else:
-                    self._drop_gradients()
-                    applied = False
-                if self.ep is not None:
-                    self.ep.zero_grad()
-                skipped += not applied
-                norm = self.engine.get_global_grad_norm() if applied else None
-                if norm is not None:  # None: not computed (ZeRO-0)
-                    grad_norms.append(float(norm))
-                self.optimizer_steps += int(applied)
-        stats = {f"train/{k}": v / max(count, 1) for k, v in stats_sum.items()}
-        stats.update({f"train/{k}": v for k, v in extremes.items()})
-        stats["train/tokens_per_s"] = num_tokens / max(time.perf_counter() - t0, 1e-9)
-        # Every rank returns the same numbers: means over ranks, true max/min for extremes,
-        # throughput summed over ranks. grad_norm and lr are already global.
+            for group in np.array_split(np.array(order, dtype=np.int64), self.cfg.num_mini_batches):
+                if len(group):
+                    self._update([(mbs[i], frozen[i]) for i in group], advantages, step, acc)
+        metrics = self._reduce_stats(acc, time.perf_counter() - t0)
+        return TrainStats(metrics=metrics, old_logprobs=old_logprobs)
+
+    @torch.no_grad()
+    def _frozen_logprobs(self, mbs: list[Micro]) -> list[Frozen]:
+        """The old (behaviour-at-train-time) and reference log-probs of every micro-batch, once,
+        before any update (under routing replay, the old pass also records what to replay)."""
+        self.engine.module.eval()
+        if self.replay is not None:
+            self.replay.reset()
+        out = []
+        for mb in mbs:
+            if self.replay is not None:
+                old = self.replay.old_pass(
+                    lambda m=mb: self._forward_logprobs(self.engine.module, m)[0], mb)
+            else:
+                old, _ = self._forward_logprobs(self.engine.module, mb)
+            ref = None
+            if self.ref_model is not None:
+                ref, _ = self._forward_logprobs(self.ref_model, mb)
+            out.append(Frozen(old=old, ref=ref))
+        self.engine.module.train()
+        return out
+
+    def _update(self, group: list[tuple[Micro, Frozen]], advantages: torch.Tensor, step: int,
+                acc: _StepSums) -> None:
+        """One mini-batch: forward and backward over its micro-batches (gradients accumulate),
+        then one optimizer step if the loss and gradients are finite on every rank."""
+        denom = self._global_denominator([mb for mb, _ in group])
+        finite = True
+        for mb, frozen in group:
+            # Replay spans forward and backward (activation checkpointing re-runs the forward
+            # inside backward).
+            with self._replaying(mb):
+                loss, st = self._micro_loss(mb, frozen, advantages, denom, step)
+                finite = finite and bool(torch.isfinite(loss))
+                # DeepSpeed averages gradients over ranks; the denominator is already global.
+                self.engine.backward(loss * mb.weight * self.world_size)
+            if mb.weight > 0:
+                acc.add(st, int(mb.attention_mask.sum()))
+        applied = self._step_if_finite(finite)
+        acc.skipped += not applied
+        norm = self.engine.get_global_grad_norm() if applied else None
+        if norm is not None:  # None: not computed (ZeRO-0)
+            acc.grad_norms.append(float(norm))
+        self.optimizer_steps += int(applied)
+
+    def _replaying(self, mb: Micro):
+        """The routing replay context of an update pass over `mb` (none without replay)."""
+        return self.replay.update_pass(mb) if self.replay is not None else contextlib.nullcontext()
+
+    def _micro_loss(self, mb: Micro, frozen: Frozen, advantages: torch.Tensor, denom: float,
+                    step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """The policy loss of one micro-batch under the current weights, with its statistics."""
+        # Through the engine (not engine.module): DeepSpeed's forward advances ZeRO-3's
+        # micro-step, without which each micro-batch overwrites the last one's grads.
+        logp, logits = self._forward_logprobs(self.engine, mb)
+        if self.algo.entropy_coef > 0:
+            ent = losses.entropy_from_logits(logits)
+        else:  # logged only: no graph kept for it
+            with torch.no_grad():
+                ent = losses.entropy_from_logits(logits.detach())
+        mask = mb.resp_mask[:, 1:].to(self.device)
+        rollout = mb.rollout_logp[:, 1:].to(self.device)
+        loss, st = losses.policy_loss(
+            logp, frozen.old, advantages[mb.index].to(self.device), mask, self.algo,
+            rollout_logp=rollout if self.algo.tis_cap is not None else None,
+            ref_logp=frozen.ref, entropy=ent, agg_denominator=denom)
+        return self.faults.poison(loss, self.rank, step), st
+
+    def _step_if_finite(self, finite: bool) -> bool:
+        """The mini-batch's optimizer step, taken if its loss was `finite` and its gradients are
+        finite on every rank, else dropped on all. Every rank takes the same branch (the flag is
+        all-reduced), so ZeRO's collectives stay matched and no rank updates weights the others
+        drop. Returns whether the step was applied (False too for DeepSpeed's own overflow
+        skip)."""
+        if self._finite_on_all_ranks(finite and self._local_grads_finite()):
+            if self.ep is not None:
+                lr = self.engine.get_lr()[0]  # this step's (step() moves the scheduler)
+                self.ep.reduce_grads(self.world_size)
+            self.engine.step()
+            applied = self.engine.was_step_applied()
+            if self.ep is not None and applied:
+                self.ep.step(lr, float(self.engine.get_global_grad_norm()), self.cfg.grad_clip)
+        else:
+            self._drop_gradients()
+            applied = False
+        if self.ep is not None:
+            self.ep.zero_grad()
+        return applied
+
+    def _reduce_stats(self, acc: _StepSums, seconds: float) -> dict[str, float]:
+        """The step's metrics, the same on every rank: means over ranks, true max/min for
+        extremes, throughput summed over ranks. grad_norm and lr are already global."""
+        import torch.distributed as dist
+        stats = {f"train/{k}": v / max(acc.count, 1) for k, v in acc.sums.items()}
+        stats.update({f"train/{k}": v for k, v in acc.extremes.items()})
+        stats["train/tokens_per_s"] = acc.num_tokens / max(seconds, 1e-9)
         out: dict[str, float] = {}
         for op, keys in ((dist.ReduceOp.SUM, [k for k in stats if not k.endswith(("_max", "_min"))]),
                          (dist.ReduceOp.MAX, [k for k in stats if k.endswith("_max")]),
@@ -369,9 +410,8 @@ class TrainerWorker:
             out.update(zip(keys, t.tolist()))
         out["train/tokens_per_s"] *= self.world_size
         # Over the applied optimizer steps; NaN when none reported one (all skipped, or ZeRO-0).
-        out["train/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
-        out["train/skipped"] = float(skipped)
-        """Optimizer steps skipped (non-finite loss or gradients), the same on every rank."""
+        out["train/grad_norm"] = float(np.mean(acc.grad_norms)) if acc.grad_norms else float("nan")
+        out["train/skipped"] = float(acc.skipped)
         out["train/lr"] = float(self.engine.get_lr()[0])
         if self.replay is not None:
             from rl.trainer.replay import reduce_stats
@@ -380,7 +420,6 @@ class TrainerWorker:
             t = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
             out.update(reduce_stats(dict(zip(keys, t.tolist())), self.replay.mode))
-        out["old_logprobs"] = old_by_sample  # type: ignore[assignment]  # lint baseline (issue 39)
         return out
 
     def _finite_on_all_ranks(self, local: bool) -> bool:

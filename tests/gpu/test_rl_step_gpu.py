@@ -44,7 +44,7 @@ def test_train_on_gpu0_sync_generate_on_gpu1(tmp_path, report):
         batch = TrainBatch.from_samples(samples, adv)
         P, R = batch.prompt_ids, batch.response_ids
         trainer_before = rt.trainer.score(P, R)
-        stats, _ = rt.trainer.train(batch, 0)
+        stats = rt.trainer.train(batch, 0).metrics
         assert all(math.isfinite(v) for v in stats.values()), stats
         engine_before = rt.rollout.score(P, R)[0]
         sync = rt.sync(1)

@@ -40,7 +40,7 @@ def one_step_on_one_device(tmp_path, device: str, backend: str, dtype: str,
         batch = TrainBatch.from_samples(samples, adv)
         P, R = batch.prompt_ids, batch.response_ids
         trainer_before = rt.trainer.score(P, R)
-        stats, _ = rt.trainer.train(batch, 0)
+        stats = rt.trainer.train(batch, 0).metrics
         assert all(math.isfinite(v) for v in stats.values()), stats
         engine_before = rt.rollout.score(P, R)[0]
         sync = rt.sync(1)

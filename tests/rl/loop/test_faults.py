@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rl.signals import EXIT_ABORTED
-from rl.trainer.worker import FAULT_NAN_STEP
+from rl.faults import FAULT_NAN_STEP
 from tests.rl.loop import plugins
 from tests.rl.loop.conftest import make_cfg, read_metrics, start_submit, wait_for
 

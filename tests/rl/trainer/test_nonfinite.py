@@ -6,8 +6,9 @@ import torch
 from rl.cluster.actors import ProcActor, wait_all
 from rl.cluster.groups import free_port
 from rl.config import AlgorithmConfig, ModelConfig, SyncConfig, TrainerConfig
+from rl.faults import FAULT_NAN_STEP
 from rl.models.loading import resolve_model_dir
-from rl.trainer.worker import FAULT_NAN_STEP, RankInfo, TrainerWorker
+from rl.trainer.worker import RankInfo, TrainerWorker
 from tests.rl.trainer.test_worker import make_batch
 
 pytestmark = pytest.mark.slow
@@ -39,9 +40,7 @@ def weights(ranks) -> dict[str, torch.Tensor]:
 
 
 def train(ranks, batch, step) -> dict:
-    stats = wait_all([a.call("train_step", batch, step) for a in ranks])
-    for s in stats:
-        s.pop("old_logprobs")
+    stats = [r.metrics for r in wait_all([a.call("train_step", batch, step) for a in ranks])]
     assert stats[0]["train/skipped"] == stats[1]["train/skipped"]  # the ranks agree
     return stats[0]
 

@@ -45,8 +45,9 @@ def test_train_step_changes_weights_and_ranks_agree(ranks):
     batch = make_batch()
     before = wait_all([a.call("score", batch.prompt_ids, batch.response_ids) for a in ranks])
     assert before[0] == before[1]
-    stats = wait_all([a.call("train_step", batch, 1) for a in ranks])
-    old = [s.pop("old_logprobs") for s in stats]
+    results = wait_all([a.call("train_step", batch, 1) for a in ranks])
+    old = [r.old_logprobs for r in results]
+    stats = [r.metrics for r in results]
     assert sorted(old[0]) == list(range(0, 10, 2)) and sorted(old[1]) == list(range(1, 10, 2))
     for i, lp in {**old[0], **old[1]}.items():  # the trainer's log-probs before the update
         assert lp == pytest.approx(before[0][i], abs=1e-5)
@@ -67,7 +68,7 @@ def test_fewer_micro_batches_than_mini_batches_still_trains(ranks):
     # 2 samples over 2 ranks: one micro-batch per rank, num_mini_batches=2 (an empty split used to
     # reach ZeRO-3's engine.step() without a backward and crash in its grad-norm computation).
     batch = make_batch(n=2, seed=3)
-    stats = wait_all([a.call("train_step", batch, 2) for a in ranks])
+    stats = [r.metrics for r in wait_all([a.call("train_step", batch, 2) for a in ranks])]
     assert stats[0]["train/grad_norm"] > 0 and stats[0]["train/loss"] == stats[1]["train/loss"]
 
 
@@ -99,7 +100,7 @@ def test_non_finite_loss_skips_the_optimizer_step(ranks):
     batch = make_batch(seed=3)
     batch.advantages = [float("nan")] * len(batch)
     before = wait_all([a.call("full_state_dict") for a in ranks])[0]
-    stats = wait_all([a.call("train_step", batch, 2) for a in ranks])
+    stats = [r.metrics for r in wait_all([a.call("train_step", batch, 2) for a in ranks])]
     import math
     assert not math.isfinite(stats[0]["train/grad_norm"])
     after = wait_all([a.call("full_state_dict") for a in ranks])[0]
@@ -119,7 +120,7 @@ def _one_step_update(model_dir, budget: int) -> tuple[dict, float]:
         batch = make_batch(16, seed=5)
         batch.advantages = [rng.uniform(-1, 1) for _ in range(16)]
         w0 = wait_all([a.call("full_state_dict") for a in actors])[0]
-        stats = wait_all([a.call("train_step", batch, 1) for a in actors])[0]
+        stats = wait_all([a.call("train_step", batch, 1) for a in actors])[0].metrics
         w1 = wait_all([a.call("full_state_dict") for a in actors])[0]
         return {k: w1[k] - w0[k] for k in w0}, stats["train/grad_norm"]
     finally:
