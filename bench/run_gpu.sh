@@ -81,7 +81,7 @@ for s in $sections; do
         v4attn) run tests_v4attn 200 python3 -m pytest -q -p no:cacheprovider -s \
                     tests/gpu/test_v4_attention_gpu.py
                 run v4_attention 300 python3 -m bench.v4_attention --out "$OUT" ;;
-        v4layer) run v4_layer 420 python3 -m bench.v4_layer --out "$OUT" ${V4_LAYER_ARGS:-} ;;
+        v4layer) run v4_layer 420 python3 -m bench.v4_layer --out "$OUT" ${V4_LAYER_ARGS:---profile} ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
         fp8gemm) run fp8_gemm 240 python3 -m bench.fp8_gemm --out "$OUT" ;;
         fp8gemm_sweep) run fp8_gemm_sweep 420 python3 -m bench.fp8_gemm --sweep --out "$OUT" ;;

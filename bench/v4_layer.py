@@ -30,6 +30,7 @@ visible entry). MFU divides by the bf16 matmul rate measured in the same run
 Left out: the optimizer step, hash-routed layers, sliding-only layers, padding / packing.
 
 Run: python -m bench.v4_layer [--tokens 8192 18432] [--paths eager project] [--reps 5]
+     [--profile]
 """
 from __future__ import annotations
 
@@ -135,20 +136,30 @@ def core_flops(config, seq: int) -> float:
     return float(total)
 
 
+def _tokens(model, seq: int) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(seq)
+    ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=g)
+    return ids.to(next(model.parameters()).device)
+
+
+def _step(model, ids: torch.Tensor) -> torch.Tensor:
+    """One forward + backward (gradients from scratch); returns the loss."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss
+
+
 def measure(model, seq: int, path: str, warmup: int, reps: int) -> dict:
     """Median seconds of `reps` forward + backward steps after `warmup`, peak memory, loss."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     use_path(model, path)
-    g = torch.Generator(device="cpu").manual_seed(seq)
-    ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=g).to(device)
+    ids = _tokens(model, seq)
     row = {"tokens": seq, "path": path}
 
-    def step() -> float:
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        return loss
+    def step() -> torch.Tensor:
+        return _step(model, ids)
 
     try:
         for _ in range(warmup):  # Triton compiles, allocator warms
@@ -177,6 +188,33 @@ def measure(model, seq: int, path: str, warmup: int, reps: int) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     return row
+
+
+def profile_step(model, seq: int, path: str, out_path: Path) -> None:
+    """One (warm) step of `path` under torch.profiler: wall vs device time, then the operators
+    with the most self device time, into `out_path`."""
+    from torch.profiler import ProfilerActivity, profile
+    use_path(model, path)
+    ids = _tokens(model, seq)
+    cuda = ids.is_cuda
+    _step(model, ids)
+    sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        _step(model, ids)
+        sync()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(e.self_device_time_total for e in events) / 1e6 if cuda else None
+    head = (f"{path} path, {seq:,} tokens, one forward + backward under torch.profiler: wall "
+            f"{wall * 1e3:.0f} ms" + (f", device kernels {busy * 1e3:.0f} ms" if cuda else ""))
+    model.zero_grad(set_to_none=True)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(head + "\n\n" + events.table(sort_by=key, row_limit=40,
+                                                     max_name_column_width=70) + "\n")
+    print(head, flush=True)
 
 
 def notes_on(rows: list[dict], smoke: bool) -> list[str]:
@@ -208,7 +246,10 @@ def main() -> None:
         p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS),
         p.add_argument("--experts", type=int, default=64),
         p.add_argument("--warmup", type=int, default=2),
-        p.add_argument("--reps", type=int, default=5)))
+        p.add_argument("--reps", type=int, default=5),
+        p.add_argument("--profile", action="store_true",
+                       help="then one step of the last path at the first token count under "
+                            "torch.profiler: <out>/v4_layer_profile.txt")))
     if args.smoke:
         config, device, dtype = flash_config(**SMOKE), "cpu", torch.bfloat16
         args.tokens, args.warmup, args.reps = [64], 1, 2
@@ -259,8 +300,12 @@ def main() -> None:
              "attention-core FLOPs) at that rate",
              "eager = transformers' attention (+ rl.models.v4_precision); project = "
              "rl.models.v4_attention as load_model installs it; both grouped_mm experts"]
-    notes += notes_on(rows, args.smoke)
     name = "v4_layer_smoke" if args.smoke else "v4_layer"
+    notes += notes_on(rows, args.smoke)
+    if args.profile:
+        profile_step(model, args.tokens[0], args.paths[-1], Path(args.out) / f"{name}_profile.txt")
+        notes.append(f"profile of one {args.paths[-1]} step at {args.tokens[0]:,} tokens: "
+                     f"{name}_profile.txt")
     write_results(name, args.out, info, rows,
                   ["tokens", "path", "result", "seconds", "limit_s", "tokens_per_s",
                    "MFU_active", "MFU_with_core", "peak_GiB", "speedup_vs_eager", "loss"], notes)
