@@ -193,6 +193,7 @@ def measure(model, seq: int, path: str, warmup: int, reps: int) -> dict:
 def profile_step(model, seq: int, path: str, out_path: Path) -> None:
     """One (warm) step of `path` under torch.profiler: wall vs device time, then the operators
     with the most self device time, into `out_path`."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     use_path(model, path)
     ids = _tokens(model, seq)
@@ -207,7 +208,10 @@ def profile_step(model, seq: int, path: str, out_path: Path) -> None:
     wall = time.perf_counter() - t0
     events = prof.key_averages()
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    busy = sum(e.self_device_time_total for e in events) / 1e6 if cuda else None
+    # operators' self device time (what the table's "Self CUDA time total" sums): the kernel
+    # rows repeat the same time
+    busy = sum(e.self_device_time_total for e in events
+               if e.device_type == DeviceType.CPU and not e.is_user_annotation) / 1e6
     head = (f"{path} path, {seq:,} tokens, one forward + backward under torch.profiler: wall "
             f"{wall * 1e3:.0f} ms" + (f", device kernels {busy * 1e3:.0f} ms" if cuda else ""))
     model.zero_grad(set_to_none=True)
