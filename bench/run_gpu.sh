@@ -3,6 +3,9 @@
 # benchmarks on a 2 x H200 machine without DeepSpeed installed (it travels as wheels in .whl/).
 #   bash bench/run_gpu.sh [sections...]      sections: tests_native rollout sync tests_sync train
 #                                            v4attn (one H200: V4 attention test + benchmark)
+#                                            v4layer (one H200, .whl with transformers 5.19: two
+#                                            V4-Flash layers fwd+bwd, eager vs project path;
+#                                            V4_LAYER_ARGS adds options)
 #                                            moe_actor (2 H200: V4-shaped actor, EP=2 vs ZeRO-3;
 #                                            MOE_ACTOR_ARGS="--ep 2 --profile" adds a profile)
 #   (fp8gemm: the decode GEMMs, FP8 paths vs BF16 vs the roofline; issue 16's measurement;
@@ -78,6 +81,7 @@ for s in $sections; do
         v4attn) run tests_v4attn 200 python3 -m pytest -q -p no:cacheprovider -s \
                     tests/gpu/test_v4_attention_gpu.py
                 run v4_attention 300 python3 -m bench.v4_attention --out "$OUT" ;;
+        v4layer) run v4_layer 420 python3 -m bench.v4_layer --out "$OUT" ${V4_LAYER_ARGS:---profile} ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
         fp8gemm) run fp8_gemm 240 python3 -m bench.fp8_gemm --out "$OUT" ;;
         fp8gemm_sweep) run fp8_gemm_sweep 420 python3 -m bench.fp8_gemm --sweep --out "$OUT" ;;
