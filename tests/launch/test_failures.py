@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from launch import failures, submit
+from job import failures
+from launch import submit
 from launch.common import EXIT_USAGE
 from job.failures import failures_without_progress, is_failure, next_life, record_failure
 from job.lifecycle import lifecycle
