@@ -48,7 +48,7 @@ test-fast: setup
 # ruff (bug-finding rules, no formatting) and mypy over the packages; settings in pyproject.toml.
 # mypy skips torch, vLLM, Ray and the other heavy libraries: a cold run takes seconds.
 lint: setup
-	$(PY) -m ruff check rl launch slurm
+	$(PY) -m ruff check rl job launch slurm
 	$(PY) -m mypy
 
 clean-venv:

@@ -84,7 +84,7 @@ def main() -> int:
     cfg = load_config(args.config, overrides)
     check_placement_or_exit(cfg)  # exit 2 at once, not after the warm start
     if choose_placement(cfg).backend == "ray":  # the loop's own choice: Ray when it is installed
-        from launch.job import start_local_ray
+        from job.run import start_local_ray
         start_local_ray(cfg)
     root = Path(args.runs_dir) if args.runs_dir else Path(tempfile.mkdtemp(prefix="bench-async-"))
     runs: list[dict] = []

@@ -37,7 +37,7 @@ from pathlib import Path
 import yaml
 
 from bench.common import device_info, parse_args, write_results
-from launch.status import read_jsonl
+from job.lifecycle import read_jsonl
 from slurm.testing.client import read_env_file, wait_until
 
 REPO = Path(__file__).resolve().parents[1]

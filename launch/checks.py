@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from launch.common import fail, quiet_libraries
+from launch.common import fail
 from rl.config import Config, ConfigError, to_dict
+from rl.console import quiet_libraries
 
 if TYPE_CHECKING:
     from rl.plan import PlanVerdict

@@ -4,7 +4,7 @@ After the same checks as a submission (`launch.submit.run_checks`; a refusal is 
 line and exit status 2), prints the memory plan's verdict and step estimate, the run directory
 and whether the job would resume there, what would be submitted, and the checks that could not
 run on this machine and why. For `cluster.kind: slurm` that is the sbatch script itself, from
-the executor a submission builds (`slurm.submit.make_executor`, `HetJobExecutor.
+the executor a submission builds (`slurm.sbatch.make_executor`, `HetJobExecutor.
 submission_text`: the same text `sbatch` would get); for `local`, what the local job starts.
 Exit status 0. Nothing is submitted, and neither the run directory nor its submitit folder is
 created.
@@ -46,7 +46,7 @@ def print_dry_run(cfg: Config, args: argparse.Namespace, done: Preflight) -> int
     lines.append(_run_dir_line(cfg, args))
     if cfg.cluster.kind == "slurm":
         try:
-            from slurm.submit import make_executor
+            from slurm.sbatch import make_executor
         except ImportError as e:  # as a submission says it
             fail(f"cluster.kind: slurm needs the slurm package: {e}", EXIT_USAGE)
         executor = make_executor(cfg)

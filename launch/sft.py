@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
-from launch.common import (config_parser, fail, load_or_exit, quiet_libraries,
-                           split_config_args)
+from launch.common import config_parser, fail, load_or_exit, split_config_args
 from rl.config import ConfigError
+from rl.console import quiet_libraries
 
 
 def main(argv: list[str] | None = None) -> int:

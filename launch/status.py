@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from job.lifecycle import read_jsonl, read_lifecycle
 from launch.common import fail
 
 
@@ -21,24 +22,6 @@ def slurm_state(job_id: str) -> str:
         if out:
             return out[0]
     return "unknown"
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash
-    return out
-
-
-def read_lifecycle(run_dir: Path) -> list[dict]:
-    """RUN_DIR/lifecycle.jsonl's events in order (`launch.job.lifecycle` writes them; a line
-    cut by a kill is skipped): the one reader of the file."""
-    return read_jsonl(run_dir / "lifecycle.jsonl")
 
 
 LAST_EVENTS = ("stopped", "requeued", "interrupted", "restarting", "failure", "requeue_limit",

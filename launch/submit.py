@@ -2,11 +2,11 @@
 
 `cluster.kind: local` (the embedded default) runs it through submitit's local executor on this
 machine with Ray started locally, streaming its progress; `cluster.kind: slurm` checks the memory
-plan, submits a heterogeneous Slurm job (trainer group + rollout group, `slurm.submit`) and prints
+plan, submits a heterogeneous Slurm job (trainer group + rollout group, `slurm.sbatch`) and prints
 where to watch it; with `--wait` it follows the job through its requeues instead.
 
 Before anything starts, both refuse with one line and exit status 2: a run directory that
-another run holds (`launch.rundir`: a local run still running, a Slurm job pending or running for
+another run holds (`job.rundir`: a local run still running, a Slurm job pending or running for
 it; `--no-resume` too), and (`launch.checks`) a resume
 whose config differs from RUN_DIR/config.yaml in keys that matter (`--force`, `--no-resume`), a
 malformed data row (`--no-data-check` for files only the job's nodes can read), and a
@@ -26,13 +26,13 @@ import signal
 import sys
 import time
 
+from job.output import stream_errors, stream_output
+from job.rundir import RunDirBusy, RunDirLock, archive_run_dir
 from launch.checks import (Preflight, check_data_or_exit, check_engine_or_exit,
                            check_expert_parallel_or_exit, check_resume_or_exit,
                            check_rollout_checkpoint_or_exit, check_slurm_params_or_exit,
                            check_placement_or_exit, missing_data_files)
-from launch.common import (EXIT_USAGE, config_parser, fail, load_or_exit,
-                           split_config_args, stream_errors, stream_output)
-from launch.rundir import RunDirBusy, RunDirLock, archive_run_dir
+from launch.common import EXIT_USAGE, config_parser, fail, load_or_exit, split_config_args
 from rl import private_files
 from rl.config import ConfigError
 from rl.console import job_log
@@ -47,11 +47,12 @@ def local_description(cfg) -> str:
 
 def run_local(cfg, args) -> int:
     """Runs the job through submitit's local executor and follows it to its end; after a
-    failure (`launch.failures`) starts it again, resuming from its newest checkpoint, while
+    failure (`job.failures`) starts it again, resuming from its newest checkpoint, while
     `failures.next_life` allows."""
     import submitit
-    from launch.failures import next_life
-    from launch.job import exit_status, lifecycle
+    from job.failures import next_life
+    from job.lifecycle import lifecycle
+    from job.run import exit_status
     folder = cfg.run_dir / "submitit"
     folder.mkdir(parents=True, exist_ok=True)
     executor = submitit.LocalExecutor(folder=str(folder))
@@ -106,7 +107,7 @@ class LocalLife:
 
     def run(self, restart_count: int) -> dict | None:
         """The job's outcome (`run_local_job`'s dict), None when it died without one."""
-        from launch.job import run_local_job
+        from job.run import run_local_job
         cfg, verbose = self.cfg, self.cfg.logging.verbose
         # A terminal's Ctrl-C signals the whole foreground process group: this launcher (which
         # asks the job to stop), the job's task (rl.signals) and, between them, submitit's local
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                         "the plan and the checks that could not run here; submit nothing")
     args = split_config_args(p.parse_args(argv))
     cfg = load_or_exit(args.config_files, args.overrides)
-    try:  # one writer per run directory (launch.rundir): refused before anything else
+    try:  # one writer per run directory (job.rundir): refused before anything else
         RunDirLock(cfg.run_dir).check()
     except RunDirBusy as e:
         fail(str(e))
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.cluster.kind == "local":
         return run_local(cfg, args)
     try:
-        from slurm.submit import submit_slurm
+        from slurm.sbatch import submit_slurm
     except ImportError as e:
         fail(f"cluster.kind: slurm needs the slurm package: {e}", EXIT_USAGE)
     return submit_slurm(cfg, args)

@@ -18,6 +18,7 @@ path to the console and no line shows twice.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import sys
@@ -151,6 +152,13 @@ def say(text: str) -> None:
         _active.say(text)
     else:
         print(text, flush=True)
+
+
+def quiet_libraries() -> None:
+    """Warnings and up from our loggers; errors only from the libraries' own."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("transformers", "deepspeed", "DeepSpeed", "vllm", "ray", "torch"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def job_log(run_dir: Path) -> Path:

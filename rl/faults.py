@@ -22,7 +22,7 @@ Points (where the driver talks to the engines):
 `RL_FAULT_KILL_TRAINER=STEP[@RESTART][,...]` kills the last trainer rank right before the
 driver's train call of step STEP, in the life of the run whose restart count is RESTART (default
 0: the first), once: the other ranks then block in their first collective with the dead one, as
-after a crash mid-step. The run fails, and the launcher restarts or requeues it (`launch.failures`).
+after a crash mid-step. The run fails, and the launcher restarts or requeues it (`job.failures`).
 """
 from __future__ import annotations
 

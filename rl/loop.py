@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 RunStatus = Literal["done", "stopped", "aborted"]
 """How a run ended: `done`, `stopped` (signal; checkpointed) or `aborted` (non-finite steps;
-checkpointed). The launcher's outcome dict (`launch.job.exit_status`) adds its own statuses."""
+checkpointed). The launcher's outcome dict (`job.run.exit_status`) adds its own statuses."""
 StepOutcome = Literal["trained", "abandoned", "aborted"]
 """How one step ended: `trained`, `abandoned` (a stop before training: nothing changed) or
 `aborted` (too many non-finite steps in a row; checkpointed)."""
@@ -192,7 +192,7 @@ class Run:
             try:
                 outcome = self.step(state.step + 1, result)
             except Exception as e:
-                e.rl_step = state.step + 1  # type: ignore[attr-defined]  # the step that failed (`launch.failures`)
+                e.rl_step = state.step + 1  # type: ignore[attr-defined]  # the step that failed (`job.failures`)
                 raise
             if outcome != "trained":
                 result.status = "aborted" if outcome == "aborted" else result.status

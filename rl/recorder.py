@@ -14,7 +14,7 @@ from rl.metrics.trajectories import TrajectoryWriter
 
 @dataclass(frozen=True, slots=True)
 class RestartInfo:
-    """How this life of the run began; the launcher knows it (`launch.job`), the run logs it."""
+    """How this life of the run began; the launcher knows it (`job.run`), the run logs it."""
     count: int = 0
     """How often the scheduler restarted the job (Slurm's restart count; 0 outside Slurm)."""
     previous_signal: int = 0

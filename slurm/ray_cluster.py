@@ -36,8 +36,8 @@ import typing as tp
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from job.slurm_env import slurm_env
 from rl.cluster.groups import ROLLOUT_NODE, TRAINER_NODE
-from slurm.env import slurm_env
 
 TRAINER_RESOURCE = TRAINER_NODE  # the labels rl.cluster.groups places actors by
 ROLLOUT_RESOURCE = ROLLOUT_NODE
@@ -306,7 +306,7 @@ def connect(cluster: RayCluster) -> None:
     """Connects this process to the head. A head that listens but whose GCS never answers (its
     raylet timed out starting on a busy node: "The current node timed out during startup") makes
     `ray.init` raise ConnectionError; that becomes a RayClusterError naming the head's log, which
-    `slurm.job._start_ray` tries once more from scratch like a node that did not join."""
+    `slurm.allocation._start_ray` tries once more from scratch like a node that did not join."""
     import ray
 
     head = cluster.nodes[0]

@@ -20,7 +20,7 @@ from rl.cluster.actors import ProcActor, RayActor
 log = logging.getLogger(__name__)
 
 # The custom Ray node resources that pin each group to its own nodes (value 1 per node). Whoever
-# starts Ray (launch.job locally, slurm.ray_cluster in a job) labels the nodes with these.
+# starts Ray (job.run locally, slurm.ray_cluster in a job) labels the nodes with these.
 TRAINER_NODE = "trainer_node"
 ROLLOUT_NODE = "rollout_node"
 

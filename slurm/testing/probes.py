@@ -66,7 +66,7 @@ def requeue_probe(marker_dir: str) -> dict:
 
 
 def preempt_probe(marker_dir: str) -> dict:
-    """Waits to be preempted, then takes the production path of `slurm.job`: a stop signal
+    """Waits to be preempted, then takes the production path of `slurm.allocation`: a stop signal
     (Slurm's USR2 via preempt_send_user_signal) -> "checkpoint" -> `requeue_self`. The restart
     reports. Events are appended to `marker_dir/events` (shared file system) for the test.
 
@@ -74,7 +74,7 @@ def preempt_probe(marker_dir: str) -> dict:
     fails when Slurm's own preemption requeue is already under way - a race seen in CI.)
     """
     from rl.signals import StopRequest
-    from slurm.job import requeue_self
+    from slurm.allocation import requeue_self
     stop = StopRequest().install()
     events = Path(marker_dir) / "events"
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
@@ -93,23 +93,23 @@ def preempt_probe(marker_dir: str) -> dict:
 
 
 def stop_every_life_probe(cfg) -> dict:
-    """`slurm.job.slurm_main` itself, with Ray and the RL loop replaced by a life that prints
+    """`slurm.allocation.slurm_main` itself, with Ray and the RL loop replaced by a life that prints
     `life K` and stops "with a checkpoint" at once (the loop's `Requeue`). So slurm_main requeues
     the job while SLURM_RESTART_COUNT < cluster.max_requeues, then ends it with RequeueLimit:
     what `launch.submit --wait` follows, without minutes of Ray and vLLM start-up per life."""
     from types import SimpleNamespace
 
-    import slurm.env
-    import slurm.job
-    from launch.job import Requeue
+    import job.slurm_env
+    import slurm.allocation
+    from job.run import Requeue
 
     def run_job(cfg, resume, force, stop):
-        life = slurm.env.restart_count()
+        life = job.slurm_env.restart_count()
         print(f"life {life} on {socket.gethostname()}", flush=True)
         stop.request("SIGUSR2")
         raise Requeue(f"stopped on SIGUSR2 at step {life + 1}")
 
-    slurm.job._start_ray = lambda cfg: SimpleNamespace(address="none", nodes=[])  # type: ignore[assignment, misc]  # lint baseline (issue 39)
-    slurm.job.stop_ray = lambda cluster: None  # type: ignore[assignment, misc]  # lint baseline (issue 39)
-    slurm.job.run_job = run_job  # type: ignore[assignment]  # lint baseline (issue 39)
-    return slurm.job.slurm_main(cfg)
+    slurm.allocation._start_ray = lambda cfg: SimpleNamespace(address="none", nodes=[])  # type: ignore[assignment, misc]  # lint baseline (issue 39)
+    slurm.allocation.stop_ray = lambda cluster: None  # type: ignore[assignment, misc]  # lint baseline (issue 39)
+    slurm.allocation.run_job = run_job  # type: ignore[assignment]  # lint baseline (issue 39)
+    return slurm.allocation.slurm_main(cfg)

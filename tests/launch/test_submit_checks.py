@@ -208,7 +208,7 @@ def test_no_resume_moves_the_old_run_aside_and_the_job_resumes(tmp_path, launche
     assert list(run_dir.iterdir()) == []  # a fresh run directory (made 0700 before the job)
     assert f"--no-resume: moved the previous run to {old[0]}" in capsys.readouterr().out
     # Twice in the same second: a numbered name, nothing overwritten; an empty dir stays.
-    from launch.rundir import archive_run_dir
+    from job.rundir import archive_run_dir
     moved = [archive_run_dir(saved_run(tmp_path / "b"), now=0.0) for _ in range(2)]
     assert [p.name for p in moved] == ["r.old-19700101-000000", "r.old-19700101-000000-2"]
     (tmp_path / "b" / "r").mkdir()

@@ -7,7 +7,7 @@ import pytest
 
 from launch.submit import main as submit_main
 from rl.config import load_config
-from slurm.submit import make_executor
+from slurm.sbatch import make_executor
 
 ROOT = Path(__file__).resolve().parents[2]
 V4 = str(ROOT / "configs" / "deepseek_v4_flash_3node.yaml")

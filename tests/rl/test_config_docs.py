@@ -1,16 +1,16 @@
 """README promises a docstring for every config field: each field of each config dataclass in
-rl/config.py is followed by a string literal (the attribute-docstring convention)."""
+rl/config/schema.py is followed by a string literal (the attribute-docstring convention)."""
 import ast
 import dataclasses
 import inspect
 
-import rl.config
+import rl.config.schema
 from rl.config import Config
 
 
 def field_docs() -> dict[str, dict[str, str | None]]:
-    """{class name: {field: its docstring or None}} for every class in rl/config.py."""
-    tree = ast.parse(inspect.getsource(rl.config))
+    """{class name: {field: its docstring or None}} for every class in rl/config/schema.py."""
+    tree = ast.parse(inspect.getsource(rl.config.schema))
     out = {}
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
         docs = {}

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from launch.job import summary, summary_record
+from job.run import summary, summary_record
 from rl.config import load_config
 from rl.evaluate import mean_of_last_evals, read_metrics_jsonl
 from rl.loop import RunResult

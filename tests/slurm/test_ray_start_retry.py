@@ -41,7 +41,7 @@ def test_connect_turns_a_silent_head_into_a_ray_cluster_error(tmp_path, monkeypa
 
 
 def test_start_ray_is_tried_again_after_a_ray_cluster_error(tmp_path, monkeypatch, capsys):
-    import slurm.job as job
+    import slurm.allocation as allocation
     from rl.config import Config
     from slurm.ray_cluster import RayClusterError
 
@@ -52,12 +52,12 @@ def test_start_ray_is_tried_again_after_a_ray_cluster_error(tmp_path, monkeypatc
         if len(calls) == 1:
             raise RayClusterError("Ray head on n1 listened on x but did not answer")
         return "cluster"
-    monkeypatch.setattr(job, "start_ray", flaky)
+    monkeypatch.setattr(allocation, "start_ray", flaky)
     cfg = Config()
-    assert job._start_ray(cfg) == "cluster" and len(calls) == 2
+    assert allocation._start_ray(cfg) == "cluster" and len(calls) == 2
     assert "Ray did not start (attempt 1 of 2): Ray head on n1" in capsys.readouterr().out
     calls.clear()
-    monkeypatch.setattr(job, "start_ray", lambda run_dir, **kw: (_ for _ in ()).throw(
+    monkeypatch.setattr(allocation, "start_ray", lambda run_dir, **kw: (_ for _ in ()).throw(
         RayClusterError("still silent")))
     with pytest.raises(RayClusterError, match="still silent"):
-        job._start_ray(cfg)
+        allocation._start_ray(cfg)

@@ -1,5 +1,5 @@
-"""slurm.submit / slurm.job without a cluster: the sbatch text of the target config (golden file)
-and the requeue limit."""
+"""slurm.sbatch / slurm.allocation without a cluster: the sbatch text of the target config
+(golden file) and the requeue limit."""
 import json
 import os
 import signal
@@ -10,8 +10,8 @@ import pytest
 
 from rl.config import ConfigError, load_config
 from rl.signals import EXIT_ABORTED, StopRequest
-from slurm.job import RequeueLimit, _check_requeue_limit
-from slurm.submit import make_executor, wait_for
+from slurm.allocation import RequeueLimit, _check_requeue_limit
+from slurm.sbatch import make_executor, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 DSV4 = REPO / "configs" / "deepseek_v4_flash_3node.yaml"
@@ -102,25 +102,25 @@ def test_wait_returns_the_runs_exit_status(tmp_path, status, code, capsys):
 def _slurm_failures(monkeypatch, tmp_path, restarts: int, ray_error, **over):
     """`slurm_main` whose Ray start fails with `ray_error` in life `restarts`; returns (its
     outcome or the requeue it asked for, the lifecycle events)."""
-    import slurm.job as job
+    import slurm.allocation as allocation
     cfg = load_config(REPO / "configs" / "slurm_cpu_test.yaml",
                       [f"output_dir={tmp_path}", *(f"{k}={v}" for k, v in over.items())])
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_RESTART_COUNT", str(restarts))
-    monkeypatch.setattr(job, "_start_ray", lambda cfg: (_ for _ in ()).throw(ray_error))
+    monkeypatch.setattr(allocation, "_start_ray", lambda cfg: (_ for _ in ()).throw(ray_error))
     stopped = []
-    monkeypatch.setattr(job, "stop_ray", stopped.append)
+    monkeypatch.setattr(allocation, "stop_ray", stopped.append)
     requeued = []
 
     def requeue_self(job_id, restarts, limit, why):
         requeued.append((job_id, restarts, limit, why))
         raise SystemExit(75)
-    monkeypatch.setattr(job, "requeue_self", requeue_self)
+    monkeypatch.setattr(allocation, "requeue_self", requeue_self)
     try:
-        out = job.slurm_main(cfg)
+        out = allocation.slurm_main(cfg)
     except SystemExit as e:
         out = e.code
-    from launch.rundir import RunDirLock
+    from job.rundir import RunDirLock
     RunDirLock._held[str(cfg.run_dir.resolve())].release()  # as the life's end would
     events = [json.loads(x) for x in (cfg.run_dir / "lifecycle.jsonl").read_text().splitlines()]
     return out, requeued, stopped, events

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.status import read_jsonl
+from job.lifecycle import read_jsonl
 from slurm.testing.client import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

@@ -1,20 +1,20 @@
-"""`launch.submit --wait` (`slurm.submit.wait_for`) against the real test cluster: it follows a
+"""`launch.submit --wait` (`slurm.sbatch.wait_for`) against the real test cluster: it follows a
 job through its requeues, streaming every life's output, and returns EXIT_REQUEUE (75) when the
 job stops at `cluster.max_requeues`.
 
-The job is `slurm.job.slurm_main` with Ray and the RL loop replaced by a life that stops at once
-(`probes.stop_every_life_probe`), so the test takes about a minute instead of a Ray and vLLM
-start per life. The full RL job under `--wait` is test_slurm_rl.py's reference run.
+The job is `slurm.allocation.slurm_main` with Ray and the RL loop replaced by a life that stops
+at once (`probes.stop_every_life_probe`), so the test takes about a minute instead of a Ray and
+vLLM start per life. The full RL job under `--wait` is test_slurm_rl.py's reference run.
 """
 import signal
 from pathlib import Path
 
 import pytest
 
-from launch.status import read_jsonl
+from job.lifecycle import read_jsonl
 from rl.config import load_config
 from rl.signals import EXIT_REQUEUE
-from slurm.submit import make_executor, wait_for
+from slurm.sbatch import make_executor, wait_for
 from slurm.testing import probes
 
 pytestmark = pytest.mark.slurm

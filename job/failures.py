@@ -19,9 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch.status import read_lifecycle
+from job.lifecycle import lifecycle, read_lifecycle
 from rl.config import Config
 
+EXIT_USAGE = 2
+"""Exit status of a user error: the config, the data, a run directory another run holds."""
 EXIT_FAILED = 1
 """Exit status of a run that failed and is not restarted (a crash loop)."""
 
@@ -58,7 +60,6 @@ def newest_checkpoint_step(run_dir: Path) -> int | None:
 
 def record_failure(cfg: Config, error: BaseException, restart_count: int) -> dict:
     """Appends the `failure` event to RUN_DIR/lifecycle.jsonl and returns it."""
-    from launch.job import lifecycle
     text = str(error).strip()
     event = {"error": type(error).__name__, "message": text.splitlines()[0] if text else "",
              "step": getattr(error, "rl_step", None),

@@ -5,14 +5,14 @@ One life of the allocation:
  1. install the stop handlers (USR1/USR2/TERM/INT) before anything slow. They replace submitit's
     (its USR2 handler would requeue without our checkpoint; it ignores TERM);
  2. `start_ray(run_dir)`: the head here, a worker on every node of both het groups, per-job token;
- 3. `launch.job.run_job`: the loop, which resumes from the latest checkpoint if there is one;
+ 3. `job.run.run_job`: the loop, which resumes from the latest checkpoint if there is one;
  4. a stop signal makes the loop finish its step, checkpoint and raise `Requeue`. Then, while
     SLURM_RESTART_COUNT < cluster.max_requeues, `scontrol requeue` puts the same job id back in
     the queue and this process exits without a result (so submitit and `launch.submit --wait`
     keep waiting for the restart); past the limit the job ends with the outcome
-    `requeue_limit` (`launch.job.exit_status` turns it into EXIT_REQUEUE);
+    `requeue_limit` (`job.run.exit_status` turns it into EXIT_REQUEUE);
  5. any other error is a user error (config, data: raised, the job fails, nothing requeues) or a
-    failure (`launch.failures`: a crashed rank, a lost node, a call past its deadline, Ray that
+    failure (`job.failures`: a crashed rank, a lost node, a call past its deadline, Ray that
     did not start): recorded, Ray stopped, then requeued the same way, sharing
     cluster.max_requeues; a crash loop (`cluster.max_failures_without_progress` failures in a
     row without a new checkpoint) ends the job with the outcome `crash_loop` (exit 1);
@@ -36,12 +36,13 @@ import subprocess
 import sys
 import typing as tp
 
-from launch.failures import is_failure, next_life, record_failure
-from launch.job import Requeue, lifecycle, run_job
-from launch.rundir import RunDirBusy, RunDirLock
+from job import slurm_env
+from job.failures import is_failure, next_life, record_failure
+from job.lifecycle import lifecycle
+from job.rundir import RunDirBusy, RunDirLock
+from job.run import Requeue, run_job
 from rl.config import Config
 from rl.signals import EXIT_REQUEUE, StopRequest
-from slurm import env as slurm_env
 from slurm.ray_cluster import RayCluster, RayClusterError, start_ray, stop_ray
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,8 @@ def slurm_main(cfg: Config, resume: bool = True, force: bool = False) -> dict:
     """Runs the RL job inside the allocation; returns `run_job`'s summary dict when it finishes,
     the outcome {"status": "requeue_limit", "message"} when it stopped with a checkpoint or
     failed but may not requeue again, {"status": "crash_loop", "message"} when it failed
-    again without progress (`launch.failures`), or {"status": "busy", "message"} when another
-    run holds the run directory (`launch.rundir`; nothing started).
+    again without progress (`job.failures`), or {"status": "busy", "message"} when another
+    run holds the run directory (`job.rundir`; nothing started).
 
     Raises:
         SystemExit(EXIT_REQUEUE) after requeueing the job (after a stop or a failure), or when a
@@ -82,7 +83,7 @@ def slurm_main(cfg: Config, resume: bool = True, force: bool = False) -> dict:
     except Requeue as e:
         try:
             _check_requeue_limit(cfg, stop, job_id, restarts, str(e))
-        except RequeueLimit as limit:  # an outcome for the launcher (`launch.job.exit_status`)
+        except RequeueLimit as limit:  # an outcome for the launcher (`job.run.exit_status`)
             return {"status": "requeue_limit", "message": str(limit), "run_dir": str(cfg.run_dir)}
         # The event goes first: a preemption's SIGTERM (after GraceTime) may cut what follows.
         lifecycle(cfg, "requeued", reason=stop.signal_name, restart_count=restarts, job_id=job_id)
@@ -115,7 +116,7 @@ def _after_failure(cfg: Config, error: Exception, job_id: str, restarts: int,
     failure = record_failure(cfg, error, restarts)
     stop_ray(cluster)
     verdict = next_life(cfg, restarts, failure, verb="requeueing to resume")
-    if not verdict.restart:  # `launch.job.exit_status` prints the message
+    if not verdict.restart:  # `job.run.exit_status` prints the message
         lifecycle(cfg, verdict.outcome["status"], reason="failure", restart_count=restarts,
                   job_id=job_id)
         return verdict.outcome

@@ -1,5 +1,6 @@
-"""What `launch.submit` copies from the job's files to the console (`launch.common.stream_output`, `stream_errors`)."""
-from launch.common import stream_errors, stream_output
+"""What `launch.submit` copies from the job's files to the console
+(`job.output.stream_output`, `stream_errors`)."""
+from job.output import stream_errors, stream_output
 
 CONFIG_TB = ["Traceback (most recent call last):", '  File "/x/run_state.py", line 9, in open_run',
              "rl.config.ConfigError: reward.function: got 'x:y', cannot import module 'x'"]

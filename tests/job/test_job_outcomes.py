@@ -2,9 +2,9 @@
 a stop with a checkpoint, a config error, the requeue limit, an abort."""
 import pytest
 
-import launch.job
+import job.run
 from launch.common import EXIT_USAGE
-from launch.job import Requeue, exit_status, run_local_job
+from job.run import Requeue, exit_status, run_local_job
 from rl.config import ConfigError, load_config
 from rl.signals import EXIT_ABORTED, EXIT_REQUEUE
 
@@ -14,7 +14,7 @@ from rl.signals import EXIT_ABORTED, EXIT_REQUEUE
 def test_local_job_returns_expected_ends_as_outcomes(monkeypatch, tmp_path, error, status):
     def fake_run_job(cfg, resume, force, restart_count=None):
         raise error
-    monkeypatch.setattr(launch.job, "run_job", fake_run_job)
+    monkeypatch.setattr(job.run, "run_job", fake_run_job)
     out = run_local_job(load_config(None, [f"output_dir={tmp_path}"]))
     assert out["status"] == status and out["message"] == str(error)
 
@@ -24,13 +24,13 @@ def test_a_failure_is_recorded_and_returned_for_the_launcher_to_restart(monkeypa
         e = RuntimeError("boom\nsecond line")
         e.rl_step = 5
         raise e
-    monkeypatch.setattr(launch.job, "run_job", fake_run_job)
+    monkeypatch.setattr(job.run, "run_job", fake_run_job)
     cfg = load_config(None, [f"output_dir={tmp_path}"])
     out = run_local_job(cfg, restart_count=1)
     assert out["status"] == "failure"
     assert (out["error"], out["message"], out["step"], out["restart_count"]) == \
         ("RuntimeError", "boom", 5, 1)
-    from launch.status import read_lifecycle
+    from job.lifecycle import read_lifecycle
     (event,) = read_lifecycle(cfg.run_dir)
     assert event["event"] == "failure" and event["checkpoint_step"] is None
 
@@ -40,7 +40,7 @@ def test_a_data_error_is_a_user_error(monkeypatch, tmp_path, capsys):
 
     def fake_run_job(cfg, resume, force, restart_count=None):
         raise DataError("train.jsonl:3: not UTF-8")
-    monkeypatch.setattr(launch.job, "run_job", fake_run_job)
+    monkeypatch.setattr(job.run, "run_job", fake_run_job)
     out = run_local_job(load_config(None, [f"output_dir={tmp_path}"]))
     assert out["status"] == "data_error" and exit_status(out) == EXIT_USAGE
     assert "data error: train.jsonl:3: not UTF-8" in capsys.readouterr().err

@@ -6,7 +6,7 @@ console shows the step lines, progress, the summary and errors (`rl.console`).
 A stop signal checkpoints and raises `Requeue`, which the Slurm layer turns into a requeue and the
 local launcher into exit status EXIT_REQUEUE. A run that aborted (too many non-finite steps) returns
 normally; `exit_status` maps its dict to EXIT_ABORTED for both launchers. Any other error is a
-user error (exit 2) or a failure, after which the run gets a new life (`launch.failures`).
+user error (exit 2) or a failure, after which the run gets a new life (`job.failures`).
 """
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launch.common import EXIT_USAGE
+from job import slurm_env
+from job.failures import EXIT_FAILED, EXIT_USAGE
+from job.lifecycle import lifecycle, read_lifecycle
 from rl.cluster.groups import ROLLOUT_NODE, TRAINER_NODE
 from rl.config import Config
 from rl.console import job_log
 from rl.signals import EXIT_ABORTED, EXIT_REQUEUE, StopRequest
-from slurm import env as slurm_env
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def summary(cfg: Config, result: RunResult) -> str:
 
 def exit_status(result: dict) -> int:
     """The launcher's exit status for the outcome a finished job returned (`run_job`,
-    `run_local_job`, `slurm.job.slurm_main`), by its `status`: EXIT_ABORTED when the run
+    `run_local_job`, `slurm.allocation.slurm_main`), by its `status`: EXIT_ABORTED when the run
     aborted on non-finite steps (after its checkpoint), EXIT_REQUEUE when it stopped with a
     checkpoint or may not requeue again (`stopped`, `requeue_limit`, after a signal or a
     failure), EXIT_USAGE for a config or data error or a run directory another run holds
@@ -115,33 +116,22 @@ def exit_status(result: dict) -> int:
     if status == "requeue_limit":
         print(result["message"], file=sys.stderr, flush=True)
         return EXIT_REQUEUE
-    if status in ("crash_loop", "failure"):  # launch.failures
-        from launch.failures import EXIT_FAILED
+    if status in ("crash_loop", "failure"):  # job.failures
         print(result["message"], file=sys.stderr, flush=True)
         return EXIT_FAILED
     if status in ("config_error", "data_error"):
         print(f"{status.replace('_', ' ')}: {result['message']}", file=sys.stderr, flush=True)
         return EXIT_USAGE
-    if status == "busy":  # another run holds the run directory (launch.rundir)
+    if status == "busy":  # another run holds the run directory (job.rundir)
         print(result["message"], file=sys.stderr, flush=True)
         return EXIT_USAGE
     return 0
-
-
-def lifecycle(cfg: Config, event: str, **fields) -> None:
-    """Append one event (start / stopped / requeued / done) to RUN_DIR/lifecycle.jsonl."""
-    import json
-    import time
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    with open(cfg.run_dir / "lifecycle.jsonl", "a") as f:
-        f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
 
 
 def previous_stop_signal(run_dir: Path) -> int:
     """The number of the signal that stopped this run's previous life, from the `reason` of the
     events `lifecycle` appended between the previous and the latest `start` (0 if none: a first
     start, or a life killed before it could record one)."""
-    from launch.status import read_lifecycle
     events = read_lifecycle(run_dir)
     starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
     previous = events[starts[-2] + 1: starts[-1]] if len(starts) >= 2 else []
@@ -157,7 +147,7 @@ def run_job(cfg: Config, resume: bool = True, force: bool = False,
     """`stop`: an already installed StopRequest (the Slurm job installs one before Ray starts so
     that an early signal is not lost); by default one is installed here. `restart_count`: this
     life's number (the local launcher's restarts); by default Slurm's."""
-    from launch.rundir import RunDirLock
+    from job.rundir import RunDirLock
     from rl.console import job_console
     from rl.private_files import run_dir
     run_dir(cfg.run_dir)  # 0700, before the lock and the console's log file go there
@@ -168,8 +158,7 @@ def run_job(cfg: Config, resume: bool = True, force: bool = False,
 
 def _run_job(cfg: Config, resume: bool, force: bool, stop: StopRequest | None,
              restart_count: int | None) -> dict:
-    from launch.common import quiet_libraries
-    from rl.console import say
+    from rl.console import quiet_libraries, say
     from rl.loop import run
     from rl.recorder import RestartInfo
     quiet_libraries()
@@ -197,11 +186,11 @@ def run_local_job(cfg: Config, resume: bool = True, force: bool = False,
                   restart_count: int = 0) -> dict:
     """`run_job` as the local launcher submits it: a stop (`Requeue`), a config error and a
     failure are outcomes it returns (status `stopped`, `config_error`, `failure`: the recorded
-    `launch.failures` event), typed for `exit_status` and the launcher's restart, instead of
+    `job.failures` event), typed for `exit_status` and the launcher's restart, instead of
     exceptions whose text submitit would hand back. `restart_count`: the launcher's restarts
     so far."""
-    from launch.failures import record_failure, user_errors
-    from launch.rundir import RunDirBusy
+    from job.failures import record_failure, user_errors
+    from job.rundir import RunDirBusy
     from rl.data.example import DataError
     try:
         return run_job(cfg, resume, force, restart_count=restart_count)

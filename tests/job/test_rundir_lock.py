@@ -1,4 +1,4 @@
-"""One writer per run directory (`launch.rundir.RunDirLock`), with real processes: a second local
+"""One writer per run directory (`job.rundir.RunDirLock`), with real processes: a second local
 run, `--no-resume` and a second Slurm job are refused with exit 2 and one line naming the holder;
 a killed run's lock is taken over; a requeued Slurm job (same SLURM_JOB_ID, restart + 1) takes its
 own lock over. Slurm's answer about a job comes from a stand-in `squeue` on PATH (the real cluster
@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from launch.rundir import LOCK_FILE, RunDirBusy, RunDirLock, archive_run_dir
+from job.rundir import LOCK_FILE, RunDirBusy, RunDirLock, archive_run_dir
 from rl.signals import STOP_SIGNALS
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = str(ROOT / "configs" / "local.yaml")
 HOLD = """
 import sys, time
-from launch.rundir import RunDirLock
+from job.rundir import RunDirLock
 RunDirLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(float(sys.argv[2]))
@@ -83,7 +83,7 @@ def test_a_second_local_run_and_no_resume_are_refused_naming_the_holder(tmp_path
         with pytest.raises(RunDirBusy):
             archive_run_dir(run_dir)
         # The job itself refuses too (a second launcher that got past its check)
-        from launch.job import exit_status, run_local_job
+        from job.run import exit_status, run_local_job
         from rl.config import load_config
         out = run_local_job(load_config(LOCAL, [f"output_dir={tmp_path}", "name=run"]))
         assert out["status"] == "busy" and exit_status(out) == 2
@@ -97,7 +97,7 @@ def test_the_lock_of_a_killed_run_is_taken_over(tmp_path, caplog):
     first = holder(run_dir)
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
-    with caplog.at_level(logging.INFO, logger="launch.rundir"):
+    with caplog.at_level(logging.INFO, logger="job.rundir"):
         lock = RunDirLock(run_dir).acquire()
     try:
         assert f"taking over from a local run (pid {first.pid} on" in caplog.text
@@ -127,9 +127,9 @@ def test_a_requeued_slurm_job_takes_its_lock_over_and_another_job_is_refused(tmp
     proc = submit(tmp_path, "--no-resume", SLURM_JOB_ID="456")
     assert proc.returncode == 2 and "in use by Slurm job 123 (PENDING" in proc.stderr
     # Job 456 started anyway (sbatch by hand): it ends at once, before Ray, with exit status 2
-    from launch.job import exit_status
+    from job.run import exit_status
     from rl.config import load_config
-    from slurm.job import slurm_main
+    from slurm.allocation import slurm_main
     handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     try:
         out = slurm_main(load_config(LOCAL, [f"output_dir={tmp_path}", "name=run"]))
@@ -144,7 +144,7 @@ def test_a_requeued_slurm_job_takes_its_lock_over_and_another_job_is_refused(tmp
 
 def test_a_submitted_job_holds_the_directory_while_it_waits_in_the_queue(tmp_path, squeue):
     run_dir = tmp_path / "run"
-    RunDirLock(run_dir).reserve("789")  # what slurm.submit records after sbatch
+    RunDirLock(run_dir).reserve("789")  # what slurm.sbatch records after sbatch
     squeue("PENDING")
     proc = submit(tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr

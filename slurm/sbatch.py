@@ -1,9 +1,10 @@
 """`launch.submit` for `cluster.kind: slurm`: submit the run as one heterogeneous job.
 
 `submit_slurm(cfg, args)` builds a `HetJobExecutor` from `cfg.cluster` (submitit folder
-RUN_DIR/submitit), submits `slurm.job.slurm_main`, records the job in RUN_DIR/slurm_job.json and
-prints where to watch it. By default it returns at once; with `--wait` it follows the job through
-its requeues, streaming the job's output, and returns the run's exit status (`wait_for`).
+RUN_DIR/submitit), submits `slurm.allocation.slurm_main`, records the job in
+RUN_DIR/slurm_job.json and prints where to watch it. By default it returns at once; with `--wait`
+it follows the job through its requeues, streaming the job's output, and returns the run's exit
+status (`wait_for`).
 
 The memory plan check happens before, in `launch.submit` (`launch.plan.check_or_exit`).
 """
@@ -17,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.rundir import RunDirLock
+from job.rundir import RunDirLock
 from rl.config import Config
 from slurm.executor import HetJob, HetJobExecutor
 from slurm.params import network_env
@@ -43,10 +44,10 @@ def make_executor(cfg: Config, *, python: str | None = None, repo: Path = REPO) 
 
 def submit_slurm(cfg: Config, args: argparse.Namespace) -> int:
     """Submits the run; returns 0 (or, with `args.wait`, the run's exit status)."""
-    from slurm.job import slurm_main
+    from slurm.allocation import slurm_main
 
     executor = make_executor(cfg)
-    # Always resume: `--no-resume` moved the old run aside before this (launch.rundir), so the
+    # Always resume: `--no-resume` moved the old run aside before this (job.rundir), so the
     # first life starts at step 0 and every requeued life resumes from its own checkpoints.
     job = executor.submit(slurm_main, cfg, force=args.force)
     run_dir = cfg.run_dir.resolve()
@@ -70,8 +71,8 @@ def wait_for(job: HetJob) -> int:
     """Follows `job` (through requeues) until it ends, streaming its output; returns 0 when the run
     finished, EXIT_ABORTED when it aborted on non-finite steps, EXIT_REQUEUE when it stopped with a
     checkpoint and may not requeue again, else 1. Ctrl-C stops waiting, not the job."""
-    from launch.job import exit_status
-    from launch.common import stream_errors, stream_output
+    from job.output import stream_errors, stream_output
+    from job.run import exit_status
 
     interrupted = []
     signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))

@@ -7,11 +7,12 @@ import types
 
 import pytest
 
-from launch import failures, submit
+from job import failures
+from launch import submit
 from launch.common import EXIT_USAGE
-from launch.failures import failures_without_progress, is_failure, next_life, record_failure
-from launch.job import lifecycle
-from launch.rundir import RunDirBusy
+from job.failures import failures_without_progress, is_failure, next_life, record_failure
+from job.lifecycle import lifecycle
+from job.rundir import RunDirBusy
 from launch.status import describe_stop, read_lifecycle, status
 from rl.checkpoint import NoIntactCheckpoint
 from rl.cluster.actors import ActorDied, CallTimeout

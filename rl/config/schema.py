@@ -1,23 +1,16 @@
-"""Typed configuration: YAML files map onto nested dataclasses, one per component.
-
-Strictness is the point: an unknown key, a wrong type or an out-of-range value raises
-`ConfigError` naming `file:key`, the offending value and what was expected. Command-line
-overrides use dotted keys (`trainer.lr=1e-6`); their values are parsed as YAML scalars.
+"""The config schema: one typed dataclass per component, each field with its docstring, and the
+checks in `__post_init__` that raise `FieldError` (the loader, `rl.config.loader`, turns it into a
+`ConfigError` naming `file:key`).
 
 Each component receives only its own dataclass (`cfg.trainer`, `cfg.rollout`, ...).
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-import yaml
 
 
 class ConfigError(ValueError):
@@ -47,6 +40,10 @@ def _non_negative(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
         _check(value >= 0, name, value, "a value >= 0")
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
 
 
 def _open_unit(obj: Any, *names: str) -> None:
@@ -807,34 +804,38 @@ class PlanConfig:
     """A config.json to plan with when `model.path` is not present on this machine (the
     planner reads only config.json, never weights)."""
     # Step-time estimate (rl/plan/timing.py). Rates default to the `device` preset; each preset
-    # states where its numbers come from (bench/results for h200, a datasheet for mi300x).
+    # states its figures and where they come from (`rl.plan.timing.DEVICES`).
     device: Literal["h200", "mi300x"] = "h200"
-    """Device preset for the step-time estimate's rates: `h200` (measured on 2 x H200 in
-    bench/results, IB from the DGX H200 datasheet) or `mi300x` (datasheet figures). Memory is
-    `gpu_memory_gb`'s, not the preset's."""
+    """Device preset for the step-time estimate's rates: `h200` (measured in bench/results, IB
+    from the DGX H200 datasheet) or `mi300x` (datasheet figures); the figures are
+    `rl.plan.timing.DEVICES`. Memory is `gpu_memory_gb`'s, not the preset's."""
     matmul_tflops: float | None = None
-    """BF16 dense matmul rate of one GPU [TFLOP/s]; null = the preset's (H200: 791 measured)."""
+    """BF16 dense matmul rate of one GPU [TFLOP/s]; null = the `device` preset's (measured in
+    bench/results/train.json for h200)."""
     hbm_gbps: float | None = None
     """HBM bandwidth of one GPU [GB/s, bytes read + written], what decode steps stream weights
-    and KV cache at; null = the preset's (H200: 4,144 measured device-to-device copy)."""
+    and KV cache at; null = the `device` preset's (a device-to-device copy measured in
+    bench/results/rollout.json for h200)."""
     intra_node_gbps: float | None = None
     """NVLink / xGMI bandwidth per GPU inside a node [GB/s], for collectives among one node's
-    GPUs and a same-node weight sync; null = the preset's (H200: 368 measured NCCL broadcast)."""
+    GPUs and a same-node weight sync; null = the `device` preset's (an NCCL broadcast measured
+    in bench/results/weight_sync.json for h200)."""
     inter_node_gbps: float | None = None
     """InfiniBand / RoCE bandwidth per GPU between nodes [GB/s]: collectives spanning nodes and the
     trainer -> rollout weight sync; null = the preset's (one 400 Gb/s NIC per GPU: 50)."""
     mfu: float = 0.195
     """Fraction of `matmul_tflops` that passes over many tokens reach, counting every FLOP run
     (trainer: old-log-prob forward, forward, backward, recompute; rollout: prefill), in (0, 1].
-    Default fitted on bench/results/train.json (Qwen3-0.6B, ZeRO-2, 1 x H200: 19.5%)."""
+    Default fitted on bench/results/train.json (Qwen3-0.6B, ZeRO-2, 1 x H200); the fit and where
+    it misses: docs/planner.md."""
     sync_efficiency: float = 0.496
     """Fraction of the link bandwidth the weight sync reaches end to end (packing, quantising,
-    loading included), in (0, 1]. Default fitted on bench/results/weight_sync.json (FP8 wire:
-    182 of 368 GB/s)."""
+    loading included), in (0, 1]. Default fitted on bench/results/weight_sync.json (FP8 wire);
+    the fit and where it misses: docs/planner.md."""
     decode_step_overhead_ms: float = 1.04
     """Fixed cost of one decode step besides streaming weights and KV cache [ms]: kernel launch
     floors and sampling. Default fitted on bench/results/rollout.json (native BF16, Qwen3-0.6B,
-    batch 64, 1,024 new tokens)."""
+    batch 64, 1,024 new tokens); the fit and where it misses: docs/planner.md."""
 
     def __post_init__(self) -> None:
         _positive(self, "gpu_memory_gb", "host_memory_gb")
@@ -914,229 +915,3 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
-
-
-# --------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    if origin is dict:
-        return "a mapping"
-    if tp is type(None):
-        return "null"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
-        tp, getattr(tp, "__name__", str(tp)))
-
-
-_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-class _Mismatch(Exception):
-    pass
-
-
-def _convert(value: Any, tp: Any, where: str, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise _Mismatch
-        return _build(tp, value, where, key)  # type: ignore[arg-type]  # lint baseline (issue 39)
-    if origin is Literal:
-        if value in typing.get_args(tp) and type(value) in {type(a) for a in typing.get_args(tp)}:
-            return value
-        raise _Mismatch
-    if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            try:
-                return _convert(value, arg, where, key)
-            except _Mismatch:
-                continue
-        raise _Mismatch
-    if origin is list:
-        if not isinstance(value, list):
-            raise _Mismatch
-        (item_tp,) = typing.get_args(tp)
-        return [_convert(v, item_tp, where, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise _Mismatch
-        k_tp, v_tp = typing.get_args(tp)
-        return {_convert(k, k_tp, where, key): _convert(v, v_tp, where, f"{key}.{k}")
-                for k, v in value.items()}
-    if tp is type(None):
-        if value is None:
-            return None
-        raise _Mismatch
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _Mismatch
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise _Mismatch
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        # YAML 1.1 reads `1e-6` (no dot) as a string; accept what is plainly a number.
-        if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
-            return float(value)
-        raise _Mismatch
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise _Mismatch
-    raise TypeError(f"unsupported config type {tp!r} at {key}")
-
-
-# Keys that moved: an old config gets one line saying where, instead of "unknown key".
-MOVED_KEYS = {"plan.kv_cache_dtype": "rollout.kv_cache_dtype",
-              **{f"plan.{k}": f"trainer.{k}" for k in (
-                  "activation_checkpointing", "optimizer_offload", "param_offload", "nvme_path",
-                  "attention_kernel")}}
-
-
-def _build(cls: type, data: dict, where: "str | typing.Callable[[str], str]",
-           prefix: str = "") -> Any:
-    """`where`: the source named in errors, or a function from a dotted key to its source."""
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        full = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names and full in MOVED_KEYS:
-            raise ConfigError(f"{_source(where, full)}:{full}: this key moved to "
-                              f"{MOVED_KEYS[full]} (same values)")
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"{_source(where, full)}:{full}: unknown key{hint}; valid keys: "
-                              f"{', '.join(names)}")
-        try:
-            kwargs[key] = _convert(value, hints[key], where, full)  # type: ignore[arg-type]  # lint baseline (issue 39)
-        except _Mismatch:
-            raise ConfigError(f"{_source(where, full)}:{full}: got {value!r}, expected "
-                              f"{_type_name(hints[key])}") from None
-    try:
-        return cls(**kwargs)
-    except FieldError as e:
-        full = f"{prefix}.{e.key}" if prefix else e.key
-        raise ConfigError(f"{_source(where, full)}:{full}: got {e.value!r}, expected "
-                          f"{e.expected}") from None
-
-
-def _source(where: "str | typing.Callable[[str], str]", key: str) -> str:
-    return where(key) if callable(where) else where
-
-
-def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def _merge(base: dict, update: dict) -> dict:
-    out = dict(base)
-    for k, v in update.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def parse_override(text: str) -> dict:
-    """`a.b.c=value` -> {"a": {"b": {"c": value}}}; the value is parsed as a YAML scalar."""
-    if "=" not in text:
-        raise ConfigError(f"<command line>:{text}: expected an override of the form key.sub=value")
-    key, raw = text.split("=", 1)
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"<command line>:{key}: malformed key in override {text!r}")
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
-    out: dict = {}
-    node = out
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return out
-
-
-def _leaves(data: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k, v in data.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        out.extend(_leaves(v, key) if isinstance(v, dict) and v else [key])
-    return out
-
-
-def _read_yaml(path: str | Path) -> dict:
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read config file ({e.strerror})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x}); expected a "
-                          "UTF-8 YAML file") from None
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark else ""  # type: ignore[assignment]  # lint baseline (issue 39)
-        raise ConfigError(f"{path}{line}: invalid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    return data
-
-
-def load_config(paths: str | Path | typing.Sequence[str | Path] | None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Load one YAML file or several layered ones (later files win), apply the dotted
-    `overrides` (they win over every file), then validate the result once, so cross-field
-    checks see the final values whatever the order of the overrides. Raises ConfigError naming
-    the file (or `<command line>`) that set the offending key last."""
-    if paths is None:
-        paths = []
-    elif isinstance(paths, (str, Path)):
-        paths = [paths]
-    data: dict = {}
-    origin: dict[str, tuple[int, str]] = {}  # dotted key -> (layer, file or "<command line>")
-    layers = [(str(p), _read_yaml(p)) for p in paths]
-    layers += [("<command line>", parse_override(text)) for text in overrides]
-    for n, (source, layer) in enumerate(layers):
-        data = _merge(data, layer)
-        origin.update({key: (n, source) for key in _leaves(layer)})
-    fallback = str(paths[-1]) if paths else "<defaults>"
-
-    def where(key: str) -> str:
-        # The key itself, or the nearest enclosing key a layer set (a whole mapping replaced).
-        parts = key.split(".")
-        for n in range(len(parts), 0, -1):
-            if ".".join(parts[:n]) in origin:
-                return origin[".".join(parts[:n])][1]
-        # A cross-field check names a key nobody set (`data.train_path` when `data.source` is
-        # `file`): blame the latest layer that set a key beside it.
-        for n in range(len(parts) - 1, -1, -1):
-            prefix = ".".join(parts[:n])
-            near = [v for k, v in origin.items() if not prefix or k.startswith(prefix + ".")]
-            if near:
-                return max(near)[1]
-        return fallback
-
-    return _build(Config, data, where)
-
-
-def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from job import slurm_env
 from rl.config import ConfigError
-from slurm import env as slurm_env
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def slurm_job_active(job_id: str) -> tuple[bool | None, str]:
 
 class RunDirLock:
     """RUN_DIR/writer.lock (see the module doc). `hold()` is re-entrant within a process: the
-    Slurm job takes the lock before Ray starts, `launch.job.run_job` again around the run."""
+    Slurm job takes the lock before Ray starts, `job.run.run_job` again around the run."""
 
     _held: dict[str, "RunDirLock"] = {}  # run directories this process holds, by path
 

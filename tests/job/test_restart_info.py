@@ -1,14 +1,14 @@
 """What each start of a run logs about Slurm restarts: the launcher reads the restart count
-(`slurm.env`) and the previous life's stop signal (`launch.job.previous_stop_signal`) and passes
+(`job.slurm_env`) and the previous life's stop signal (`job.run.previous_stop_signal`) and passes
 them into the loop (`rl.recorder.RestartInfo`); `rl/` itself reads no SLURM_ variable."""
 import ast
 import json
 import re
 from pathlib import Path
 
-from launch.job import previous_stop_signal
+from job import slurm_env
+from job.run import previous_stop_signal
 from rl.recorder import RestartInfo
-from slurm import env as slurm_env
 
 
 def _events(path, *events):
@@ -56,7 +56,7 @@ def test_slurm_env_reads_het_group_variables(monkeypatch):
 
 
 def test_rl_reads_no_slurm_environment():
-    """Only slurm/ and launch/ know the scheduler: no module of rl/ names a SLURM_ variable
+    """Only job/, slurm/ and launch/ know the scheduler: no module of rl/ names a SLURM_ variable
     (a string that is one, or an f-string building one; prose that mentions one is fine)."""
     root = Path(__file__).resolve().parents[2] / "rl"
     offenders = []
