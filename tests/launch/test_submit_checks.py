@@ -239,7 +239,8 @@ def test_the_job_is_always_asked_to_resume(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         launch.submit.main([LOCAL, f"output_dir={tmp_path}", "name=r", "--no-resume"])
     (args, kwargs), = submitted
-    assert args[1:] == () and kwargs == {"force": False}
+    # `resume` is never passed (it defaults to True); the first life is restart 0
+    assert args[1:] == () and kwargs == {"force": False, "restart_count": 0}
 
 
 def _v4_rollout_dir(tmp_path, expert_dtype):
