@@ -1,0 +1,190 @@
+"""`python -m launch.export`: a checkpoint written by two real DeepSpeed ranks (plain processes,
+gloo) through the run's checkpoint manager, exported, equals the trainer's own gathered weights
+(`TrainerWorker.full_state_dict`, what the weight sync sends) bit for bit, loads in transformers
+and scores like the trainer; and the one-line errors."""
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rl.checkpoint import CheckpointManager, step_dir_name
+from rl.cluster.actors import ProcActor, wait_all
+from rl.cluster.groups import free_port
+from rl.config import AlgorithmConfig, ModelConfig, SyncConfig, TrainerConfig
+from rl.models.loading import resolve_model_dir
+from rl.trainer.batch import TrainBatch
+from rl.trainer.worker import RankInfo, TrainerWorker
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _batch(n=8, seed=0) -> TrainBatch:
+    rng = random.Random(seed)
+    prompts = [[1] + [rng.randrange(3, 100) for _ in range(4)] for _ in range(n)]
+    responses = [[rng.randrange(3, 100) for _ in range(rng.randrange(2, 6))] for _ in range(n)]
+    return TrainBatch(prompt_ids=prompts, response_ids=responses,
+                      rollout_logprobs=[[-4.5] * len(r) for r in responses],
+                      advantages=[1.0 if i % 2 else -1.0 for i in range(n)])
+
+
+def _train_and_checkpoint(run_dir: Path, model_dir: Path, zero_stage: int, dtype: str,
+                          ep: int = 1) -> dict:
+    """Two steps, a checkpoint after each (RUN_DIR/checkpoints/step_00000N, written as the run
+    writes them); returns each step's full state and the trainer's scores after step 2."""
+    cfg = TrainerConfig(num_ranks=2, zero_stage=zero_stage, device="cpu", lr=1e-2,
+                        micro_batch_tokens=64, expert_parallel_size=ep)
+    port = free_port()
+    ranks = [ProcActor(TrainerWorker, cfg, AlgorithmConfig(kl_coef=0.0), SyncConfig(),
+                       str(model_dir), dtype, RankInfo(rank=r, world_size=2,
+                                                       master_addr="127.0.0.1", master_port=port),
+                       0, 10, name=f"export{r}") for r in range(2)]
+    manager = CheckpointManager(run_dir)
+    out: dict = {"state": {}}
+    try:
+        wait_all([a.ready for a in ranks], timeout=900)
+        for step in (1, 2):
+            wait_all([a.call("train_step", _batch(seed=step), step) for a in ranks], timeout=900)
+            out["state"][step] = wait_all([a.call("full_state_dict") for a in ranks],
+                                          timeout=600)[0]
+
+            def payload(tmp: Path) -> dict:
+                res = wait_all([a.call("save", str(tmp / "trainer"), "ds", {"step": step})
+                                for a in ranks], timeout=600)
+                return {f"trainer/{rel}": {**rec, "rank": r}
+                        for r, got in enumerate(res) for rel, rec in got["files"].items()}
+            manager.save(step, step, "test", payload)
+        probe = _batch(seed=9)
+        out["probe"] = probe
+        out["scores"] = wait_all([a.call("score", probe.prompt_ids, probe.response_ids)
+                                  for a in ranks], timeout=600)[0]
+    finally:
+        for a in ranks:
+            a.close()
+    return out
+
+
+def export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launch.export", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _exported(out: Path) -> dict[str, torch.Tensor]:
+    files = sorted(out.glob("*.safetensors"))
+    if len(files) > 1:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
+    state: dict = {}
+    for f in files:
+        part = load_file(str(f))
+        assert not set(part) & set(state)
+        state.update(part)
+    return state
+
+
+def _expected(model_dir: Path, full: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The trainer's full state in the export's names and dtypes."""
+    from rl.export import _dtype_rule, _meta_model
+    from rl.models.name_maps import streams_checkpoint_names, to_engine_weights
+    model = _meta_model(model_dir)
+    rule = _dtype_rule(model, dtype)
+    if streams_checkpoint_names(model):  # already checkpoint names; dtypes by in-memory name
+        sources = {}
+        for name, t in model.state_dict().items():
+            for wire, _ in to_engine_weights(model, [(name, t)]):
+                sources[wire] = name
+        return {k: v.to(rule(sources[k], v)) for k, v in full.items()}
+    return {k: v.contiguous() for k, v in to_engine_weights(
+        model, [(n, t.to(rule(n, t))) for n, t in full.items()])}
+
+
+def _assert_bitwise(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype, k
+        assert torch.equal(got[k], t), k
+
+
+def _logprobs(model, batch: TrainBatch) -> list[list[float]]:
+    out = []
+    with torch.no_grad():
+        for p, r in zip(batch.prompt_ids, batch.response_ids):
+            ids = torch.tensor([p + r])
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+            out.append(lp[len(p) - 1:].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen_run(tmp_path_factory):
+    """tiny-qwen3-moe, ZeRO-3, fp32 (the CPU tests' training dtype)."""
+    root = tmp_path_factory.mktemp("export")
+    model_dir = resolve_model_dir(ModelConfig(preset="tiny-qwen3-moe"), root / "models")
+    run_dir = root / "run"
+    return run_dir, model_dir, _train_and_checkpoint(run_dir, model_dir, 3, "float32")
+
+
+@pytest.mark.slow
+def test_zero3_export_equals_the_trainers_full_state(qwen_run, tmp_path):
+    run_dir, model_dir, got = qwen_run
+    # Newest checkpoint, fp32: bit for bit; sharded (the model is ~7 MB in fp32).
+    r = export(run_dir, "--out", tmp_path / "fp32", "--model-dir", model_dir, "--dtype", "float32",
+               "--max-shard-gb", 0.002)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("export: wrote model-") == len(list((tmp_path / "fp32").glob("model-*")))
+    assert len(list((tmp_path / "fp32").glob("model-*"))) > 1
+    _assert_bitwise(_exported(tmp_path / "fp32"), _expected(model_dir, got["state"][2],
+                                                            torch.float32))
+    # BF16 (the default), an older step: the trainer's weights rounded, bit for bit.
+    r = export(run_dir, "--step", 1, "--out", tmp_path / "bf16", "--model-dir", model_dir)
+    assert r.returncode == 0, r.stderr
+    _assert_bitwise(_exported(tmp_path / "bf16"), _expected(model_dir, got["state"][1],
+                                                            torch.bfloat16))
+    # transformers loads it, nothing missing or unexpected, and scores like the trainer.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp32"),
+                                                       output_loading_info=True)
+    assert not any(info.values()), info
+    assert model.dtype == torch.float32
+    for a, b in zip(_logprobs(model.eval(), got["probe"]), got["scores"]):
+        assert a == pytest.approx(b, abs=1e-5)
+    bf16 = AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"))
+    assert bf16.dtype == torch.bfloat16
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "bf16"))
+    ids = tok("1+2=", return_tensors="pt").input_ids
+    assert model.generate(ids, max_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
+    assert (tmp_path / "bf16" / "generation_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_export_errors(qwen_run, tmp_path):
+    run_dir, model_dir, _ = qwen_run
+    cases = [((tmp_path / "nope", "--out", tmp_path / "o"), "no such run directory"),
+             ((run_dir, "--step", 7, "--out", tmp_path / "o", "--model-dir", model_dir),
+              "no checkpoint of step 7 (checkpoints: 1, 2)"),
+             ((run_dir, "--format", "deepseek-v4", "--out", tmp_path / "o"),
+              "not implemented yet (issue 41)")]
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    cases.append(((run_dir, "--out", tmp_path / "full", "--model-dir", model_dir, "--no-verify"),
+                  "not empty (pass --force"))
+    for args, message in cases:
+        r = export(*args)
+        assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    # Damaged: every checkpoint fails its check.
+    damaged = tmp_path / "damaged"
+    (damaged / "checkpoints").mkdir(parents=True)
+    for step in (1, 2):
+        src = run_dir / "checkpoints" / step_dir_name(step)
+        dst = damaged / "checkpoints" / step_dir_name(step)
+        dst.mkdir()
+        (dst / "manifest.json").write_bytes((src / "manifest.json").read_bytes())
+    r = export(damaged, "--out", tmp_path / "o2", "--model-dir", model_dir)
+    assert r.returncode == 2 and "no intact checkpoint (step_000002: missing file" in r.stderr, \
+        r.stderr
