@@ -20,9 +20,8 @@ from pathlib import Path
 from launch.common import fail
 
 
-def export_command(run_dir: Path, out: Path | None = None) -> str:
+def export_command(run_dir: Path, out: Path) -> str:
     """The command line that exports `run_dir`'s newest checkpoint (the run summary prints it)."""
-    out = out or Path(run_dir) / "export" / "hf"
     return f"python -m launch.export {run_dir} --format hf --out {out}"
 
 

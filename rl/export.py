@@ -26,6 +26,7 @@ hold the Adam moments: they are mapped, never read.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 FORMATS = ("hf", "deepseek-v4")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 INDEX_FILE = "model.safetensors.index.json"
+FINAL_EXPORT = "export/hf"
+"""Where `checkpoint.export_final` writes, relative to the run directory."""
 DEFAULT_SHARD_BYTES = 5 * 2**30
 # Model-directory files that are not weights: copied as they are (config.json is rewritten).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
@@ -115,6 +118,14 @@ def _load(path: Path):
     return safe_load.load(path, map_location="cpu", mmap=True)
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts)
+
+
 def trainer_tensors(trainer_dir: Path, tag: str = "ds"
                     ) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
     """(HF in-memory name, a function that reads the whole tensor) for every parameter,
@@ -124,7 +135,7 @@ def trainer_tensors(trainer_dir: Path, tag: str = "ds"
     if (ds / "mp_rank_00_model_states.pt").is_file():  # ZeRO 0-2: the whole module
         module = _load(ds / "mp_rank_00_model_states.pt")["module"]
         for name, t in module.items():
-            yield name, (lambda t=t: t)
+            yield name, functools.partial(_same, t)
     elif (ds / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file():
         yield from _zero3_tensors(ds)
     else:
@@ -140,8 +151,11 @@ def _zero3_tensors(ds: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]
     shapes = {k: v for group in state["param_shapes"] for k, v in group.items()}
     if state.get("frozen_param_shapes"):
         raise ExportError(f"{ds}: frozen parameters under ZeRO-3 are not supported by the export")
-    files = sorted(ds.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"),
-                   key=lambda p: int(p.name.split("_")[3]))
+    # `bf16_zero_pp_rank_R_...` when the run trained in BF16
+    files = sorted(ds.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"),
+                   key=lambda p: int(p.name.split("zero_pp_rank_")[1].split("_")[0]))
+    if not files:
+        raise ExportError(f"{ds}: no ZeRO-3 optimizer shards (*zero_pp_rank_*_optim_states.pt)")
     optim = [_load(f)["optimizer_state_dict"] for f in files]
     world = optim[0]["partition_count"]
     world = max(world) if isinstance(world, list) else world
@@ -164,7 +178,7 @@ def _zero3_tensors(ds: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]
                           f"hold {bounds[-1]}")
     yield from lazies.items()
     for name, t in buffers.items():
-        yield name, (lambda t=t: t)
+        yield name, functools.partial(_same, t)
     for alias, target in shared.items():  # tied weights: the tensor they share
         yield alias, lazies[target]
 
@@ -183,7 +197,7 @@ def _expert_tensors(ds: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]
             raise ExportError(f"{ds}: experts_rank_{r:05d}.pt holds shard {s['ep_rank']} of "
                               f"{s['ep_size']}, expected {r} of {ep_size}")
     for name in head["master"]:
-        yield name, (lambda n=name: torch.cat([s["master"][n] for s in shards]))
+        yield name, functools.partial(_cat, [s["master"][name] for s in shards])
 
 
 # ---- writing ---------------------------------------------------------------------------------
@@ -327,3 +341,17 @@ def _copy_model_files(model_dir: Path, out: Path, dtype: torch.dtype) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for p in out.iterdir():
         os.chmod(p, 0o644)
+
+
+def export_final(run_dir: Path, model_dir: Path, say: Callable[[str], None] = print) -> Path:
+    """`checkpoint.export_final`: the run's last checkpoint into RUN_DIR/export/hf (replacing
+    an earlier export), BF16; returns that directory. The checkpoint was sealed by this run, so
+    only its sizes are checked."""
+    checkpoint, manifest = find_checkpoint(run_dir, verify=False)
+    out = Path(run_dir) / FINAL_EXPORT
+    prepare_out(out, force=True)
+    say(f"export: {checkpoint.name} -> {out}")
+    record = export_hf(checkpoint, model_dir, out, say=say)
+    say(f"export: step {manifest.get('step')} written in {record['seconds']:.1f}s "
+        f"({record['bytes'] / 2**30:.2f} GiB, {len(record['shards'])} shard(s))")
+    return out

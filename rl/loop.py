@@ -108,9 +108,12 @@ def run(cfg: Config, *, resume: bool = True, force: bool = False,
         r.start(resume, force, restart)
         result = r.train()
         failed = False
-        return result
     finally:
         r.close(failed)
+    if result.status == "done" and cfg.checkpoint.export_final:
+        from rl.export import export_final  # after close: the workers' memory is free again
+        export_final(cfg.run_dir, model_dir, say)
+    return result
 
 
 class Run:

@@ -188,3 +188,27 @@ def test_export_errors(qwen_run, tmp_path):
     r = export(damaged, "--out", tmp_path / "o2", "--model-dir", model_dir)
     assert r.returncode == 2 and "no intact checkpoint (step_000002: missing file" in r.stderr, \
         r.stderr
+
+
+# ZeRO-2 with expert parallelism (the module file without the experts, plus each EP rank's expert
+# shard), and DeepSeek-V4 trained in BF16 (its fp32-kept norms and mixers, `tid2eid` and the
+# router biases, DeepSeek's names).
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, zero_stage, dtype, ep", [("tiny-qwen3-moe", 2, "float32", 2),
+                                                         ("tiny-deepseek-v4", 3, "bfloat16", 1)])
+def test_export_equals_full_state(tmp_path, preset, zero_stage, dtype, ep):
+    from rl.models.loading import load_model
+    model_dir = resolve_model_dir(ModelConfig(preset=preset), tmp_path / "models")
+    got = _train_and_checkpoint(tmp_path / "run", model_dir, zero_stage, dtype, ep)
+    r = export(tmp_path / "run", "--out", tmp_path / "out", "--model-dir", model_dir, "--dtype",
+               dtype)
+    assert r.returncode == 0, r.stderr
+    exported = _exported(tmp_path / "out")
+    _assert_bitwise(exported, _expected(model_dir, got["state"][2], getattr(torch, dtype)))
+    if preset == "tiny-deepseek-v4":
+        assert exported["layers.0.ffn.gate.tid2eid"].dtype in (torch.int32, torch.int64)
+        assert any(k.endswith("e_score_correction_bias") for k in exported)
+    model = load_model(tmp_path / "out", dtype=getattr(torch, dtype))
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    for a, b in zip(_logprobs(model, got["probe"]), got["scores"]):
+        assert a == pytest.approx(b, abs=tol)
