@@ -12,7 +12,9 @@ Where the tensors come from (`trainer_tensors`, in HF in-memory names):
   * ZeRO-3: each rank's `zero_pp_rank_R_mp_rank_00_optim_states.pt` holds its fp32 partitions of
     every parameter (`fp32_flat_groups`); a parameter is its ranks' slices put end to end
     (DeepSpeed's `zero_to_fp32` layout). The trainer's BF16 weights are these masters rounded
-    (its optimizer step copies them in), so the BF16 export is bit for bit the same. Buffers
+    (its optimizer step copies them in), so the BF16 export is bit for bit the same; in a BF16
+    run that holds for the parameters the model keeps in fp32 too (DeepSpeed stores their
+    partitions in its BF16 flat buffer: they are written as fp32 holding BF16 values). Buffers
     (`tid2eid`, `e_score_correction_bias`) come from rank 0's model-states file.
   * Expert parallelism: routed experts live outside DeepSpeed in `experts_rank_R.pt`, each rank's
     fp32 master slice of every `experts.gate_up_proj` / `down_proj`; the first EP group's ranks
@@ -122,6 +124,10 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _rounded(read: Callable[[], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return read().to(dtype)
+
+
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
@@ -168,10 +174,16 @@ def _zero3_tensors(ds: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]
         bounds.append(bounds[-1] + flat.numel())
     shared = dict(state.get("shared_params", {}))
     buffers = {k: v for k, v in state["module"].items() if k not in shapes and k not in shared}
+    # A BF16 run keeps every parameter's partition in one BF16 flat buffer (DeepSpeed's
+    # `defragment`), also those the model keeps in fp32 (V4's norms and mixers): the weights the
+    # trainer runs with are the masters rounded to BF16, whatever the parameter's dtype.
+    low = torch.bfloat16 if files[0].name.startswith("bf16_") else None
     offset, lazies = 0, {}
     for name, shape in shapes.items():
         part, _ = zero3_partitioned_param_info(shape.numel(), world)
-        lazies[name] = GatheredTensor(groups, bounds, offset, part, shape).contiguous
+        lazy = GatheredTensor(groups, bounds, offset, part, shape)
+        lazies[name] = (lazy.contiguous if low is None
+                        else functools.partial(_rounded, lazy.contiguous, low))
         offset += part
     if offset != bounds[-1]:
         raise ExportError(f"{ds}: the parameters take {offset} elements a rank, its partitions "
