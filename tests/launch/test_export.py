@@ -19,6 +19,7 @@ from rl.config import AlgorithmConfig, ModelConfig, SyncConfig, TrainerConfig
 from rl.models.loading import resolve_model_dir
 from rl.trainer.batch import TrainBatch
 from rl.trainer.worker import RankInfo, TrainerWorker
+from tests.rl.loop.conftest import ray_local  # noqa: F401 - the session fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -262,3 +263,32 @@ def test_vllm_cpu_serves_the_bf16_export_like_transformers(qwen_run, tmp_path):
         lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
         matched += assert_greedy_match(list(c.token_ids), lps, *hf_greedy(hf, p, 8), atol=1e-3)
     assert matched >= 16
+
+
+@pytest.mark.slow
+def test_a_run_with_export_final_exports_its_last_checkpoint(tmp_path, ray_local):
+    """The whole loop (2 ZeRO-3 ranks, the HF engine, 2 steps, no warm start) with
+    `checkpoint.export_final`: RUN_DIR/export/hf holds the final checkpoint's weights, the same
+    as DeepSpeed's own `zero_to_fp32` reads them, rounded to BF16; transformers loads it."""
+    from transformers import AutoModelForCausalLM
+
+    from rl.config import load_config
+    from rl.export import _dtype_rule, _meta_model
+    from rl.loop import run
+    from rl.models.name_maps import to_engine_weights
+    from tests.rl.loop.conftest import final_weights
+    cfg = load_config(ROOT / "configs" / "local.yaml", [
+        "num_steps=2", "algorithm.prompts_per_step=8", "rollout.n_samples=2", "eval.every=0",
+        "eval.at_start=false", "checkpoint.every=1", "model.warm_start=false",
+        "rollout.engine=hf", "checkpoint.export_final=true", f"output_dir={tmp_path}",
+        "name=exported"])
+    assert run(cfg).status == "done"
+    out = cfg.run_dir / "export" / "hf"
+    model = _meta_model(out)
+    rule = _dtype_rule(model, torch.bfloat16)
+    want = to_engine_weights(model, [(n, t.to(rule(n, t)))
+                                     for n, t in final_weights(cfg.run_dir).items()])
+    _assert_bitwise(_exported(out), {k: v.contiguous() for k, v in want})
+    assert json.loads((out / "export.json").read_text())["checkpoint"].endswith("step_000002")
+    loaded, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not any(info.values()), info
