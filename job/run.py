@@ -87,11 +87,20 @@ def summary(cfg: Config, result: RunResult) -> str:
              *accuracy,
              f"run directory:  {run_dir}  (summary.json)",
              f"checkpoints:    {run_dir / 'checkpoints'}",
+             _export_line(cfg, run_dir),
              f"logs:           {run_dir / 'driver.log'} (driver)"
              + ("" if cfg.logging.verbose else f", {job_log(run_dir)} (libraries, workers)"),
              f"trajectories:   {run_dir / 'trajectories.h5'}  (python -m launch.inspect {run_dir})",
              f"TensorBoard:    tensorboard --logdir {run_dir / 'tensorboard'}", "=" * 72]
     return "\n".join(lines)
+
+
+def _export_line(cfg: Config, run_dir: Path) -> str:
+    """Where `checkpoint.export_final` put the model, else the command that exports it."""
+    from rl.export import FINAL_EXPORT, export_command
+    if cfg.checkpoint.export_final and (run_dir / FINAL_EXPORT / "config.json").is_file():
+        return f"model (HF):     {run_dir / FINAL_EXPORT}  (checkpoint.export_final)"
+    return f"export (HF):    {export_command(run_dir, run_dir / FINAL_EXPORT)}"
 
 
 def exit_status(result: dict) -> int:

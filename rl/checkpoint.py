@@ -109,10 +109,12 @@ def software_versions() -> dict[str, str]:
 
 class CheckpointManager:
     def __init__(self, run_dir: Path, keep_last: int = 2, keep_every: int = 0,
-                 checksums: bool = True):
+                 checksums: bool = True, create: bool = True):
+        """`create`: make `RUN_DIR/checkpoints` (0700) if missing; off for readers (export)."""
         self.root = Path(run_dir) / "checkpoints"
-        self.root.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)  # rl.private_files: checkpoints stay private whatever the umask
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.root, 0o700)  # rl.private_files: private whatever the umask
         self.keep_last, self.keep_every, self.checksums = keep_last, keep_every, checksums
         self.last_seconds: float | None = None
         self._fault_sleep_s = faults.checkpoint_sleep_s()

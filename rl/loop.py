@@ -108,9 +108,18 @@ def run(cfg: Config, *, resume: bool = True, force: bool = False,
         r.start(resume, force, restart)
         result = r.train()
         failed = False
-        return result
     finally:
         r.close(failed)
+    if result.status == "done" and cfg.checkpoint.export_final:
+        from rl.export import export_final  # after close: the workers' memory is free again
+        try:
+            export_final(cfg.run_dir, model_dir, say)
+        except Exception as e:  # noqa: BLE001 - the run is done and checkpointed: no restart
+            log.error("checkpoint.export_final failed", exc_info=True)
+            say(f"export failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''});"
+                f" the checkpoint is intact: python -m launch.export {cfg.run_dir} --format hf "
+                "--out DIR")
+    return result
 
 
 class Run:

@@ -55,14 +55,15 @@ def safe_globals() -> list:
     return out
 
 
-def load(path: str | Path, map_location=None):
+def load(path: str | Path, map_location=None, mmap: bool = False):
     """`torch.load(path, weights_only=True)` allowing `safe_globals()`; UnsafeCheckpointError
-    names the file and what it holds otherwise (unless RL_TRUST_CHECKPOINTS=1)."""
+    names the file and what it holds otherwise (unless RL_TRUST_CHECKPOINTS=1). `mmap`: tensors
+    are read from the file when used (`rl.export`)."""
     if os.environ.get(TRUST_ENV) == "1":
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     try:
         with torch.serialization.safe_globals(safe_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         lines = [ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln or "nsupported" in ln]
         what = lines[0] if lines else str(e).splitlines()[0]

@@ -569,6 +569,10 @@ class CheckpointConfig:
     it, right after writing) and verify them before a resume, which then falls back past a
     damaged checkpoint. Costs one extra read of the checkpoint on save and on resume, spread
     over the trainer ranks. Off: only file sizes are recorded and checked."""
+    export_final: bool = False
+    """At the end of a run that completed, export the last checkpoint's actor as a Hugging Face
+    model directory (BF16 safetensors, config, tokenizer) into RUN_DIR/export/hf, as
+    `python -m launch.export RUN_DIR --format hf` does (docs/export.md)."""
 
     def __post_init__(self) -> None:
         _non_negative(self, "every", "keep_every")
