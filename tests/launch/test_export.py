@@ -3,7 +3,6 @@ gloo) through the run's checkpoint manager, exported, equals the trainer's own g
 (`TrainerWorker.full_state_dict`, what the weight sync sends) bit for bit, loads in transformers
 and scores like the trainer; and the one-line errors."""
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -19,18 +18,13 @@ from rl.config import AlgorithmConfig, ModelConfig, SyncConfig, TrainerConfig
 from rl.models.loading import resolve_model_dir
 from rl.trainer.batch import TrainBatch
 from rl.trainer.worker import RankInfo, TrainerWorker
+from tests.helpers.batches import random_batch
 from tests.rl.loop.conftest import ray_local  # noqa: F401 - the session fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _batch(n=8, seed=0) -> TrainBatch:
-    rng = random.Random(seed)
-    prompts = [[1] + [rng.randrange(3, 100) for _ in range(4)] for _ in range(n)]
-    responses = [[rng.randrange(3, 100) for _ in range(rng.randrange(2, 6))] for _ in range(n)]
-    return TrainBatch(prompt_ids=prompts, response_ids=responses,
-                      rollout_logprobs=[[-4.5] * len(r) for r in responses],
-                      advantages=[1.0 if i % 2 else -1.0 for i in range(n)])
+_batch = random_batch
 
 
 def _train_and_checkpoint(run_dir: Path, model_dir: Path, zero_stage: int, dtype: str,

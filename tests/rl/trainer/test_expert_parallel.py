@@ -7,7 +7,6 @@ rank holds half of every MoE layer's experts; the log-probs, losses, the global 
 replay (r2) runs in both, through the HF routers EP leaves in place. Then: the weight sync's full
 state gathers the experts from both ranks, and a checkpoint written with EP=2 resumes bitwise.
 """
-import random
 
 import pytest
 import torch
@@ -16,8 +15,9 @@ from rl.cluster.actors import ProcActor, wait_all
 from rl.cluster.groups import free_port
 from rl.config import AlgorithmConfig, ModelConfig, SyncConfig, TrainerConfig
 from rl.models.loading import resolve_model_dir
-from rl.trainer.batch import TrainBatch, TrainStats
+from rl.trainer.batch import TrainStats
 from rl.trainer.worker import RankInfo, TrainerWorker
+from tests.helpers.batches import random_batch
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +41,7 @@ def _ranks(model_dir, ep: int, name: str, zero_stage: int = 3) -> list[ProcActor
     return actors
 
 
-def _batch(n=8, seed=0) -> TrainBatch:
-    rng = random.Random(seed)
-    prompts = [[1] + [rng.randrange(3, 100) for _ in range(4)] for _ in range(n)]
-    responses = [[rng.randrange(3, 100) for _ in range(rng.randrange(2, 6))] for _ in range(n)]
-    return TrainBatch(prompt_ids=prompts, response_ids=responses,
-                      rollout_logprobs=[[-4.5] * len(r) for r in responses],
-                      advantages=[1.0 if i % 2 else -1.0 for i in range(n)])
+_batch = random_batch
 
 
 def _run(model_dir, ep: int, ckpt=None, zero_stage: int = 3) -> dict:

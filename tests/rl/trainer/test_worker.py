@@ -10,8 +10,8 @@ from rl.cluster.groups import free_port
 from rl.config import AlgorithmConfig, ModelConfig, SyncConfig, TrainerConfig
 from rl.models.loading import resolve_model_dir
 from rl.sync.transport import make_group, receive_buckets
-from rl.trainer.batch import TrainBatch
 from rl.trainer.worker import RankInfo, TrainerWorker
+from tests.helpers.batches import random_batch
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +33,7 @@ def ranks(tmp_path_factory):
 
 
 def make_batch(n=10, seed=0):
-    rng = random.Random(seed)
-    prompts = [[1] + [rng.randrange(3, 100) for _ in range(4)] for _ in range(n)]
-    responses = [[rng.randrange(3, 100) for _ in range(rng.randrange(1, 6))] for _ in range(n)]
-    return TrainBatch(prompt_ids=prompts, response_ids=responses,
-                      rollout_logprobs=[[-4.5] * len(r) for r in responses],
-                      advantages=[1.0 if i % 2 else -1.0 for i in range(n)])
+    return random_batch(n, seed, min_response=1)
 
 
 def test_train_step_changes_weights_and_ranks_agree(ranks):
