@@ -23,3 +23,21 @@ def test_parse_and_fire_once():
     inj.at("sync", 1, runtime)
     inj.at("sync", 1, runtime)
     assert Runtime.kills == 1
+
+
+def test_trainer_kill_fires_once_on_the_last_rank_in_its_life():
+    class Runtime:
+        trainer = type("T", (), {"num_ranks": 3})()
+        killed: list[int] = []
+
+        def kill_trainer(self, rank):
+            Runtime.killed.append(rank)
+
+    runtime = Runtime()
+    inj = FaultInjector("", "2@1")
+    inj.before_train(2, 0, runtime)
+    inj.before_train(1, 1, runtime)
+    assert Runtime.killed == []
+    inj.before_train(2, 1, runtime)
+    inj.before_train(2, 1, runtime)
+    assert Runtime.killed == [2]
