@@ -112,7 +112,7 @@ class Receiver:
 
     def connect(self, host: str, port: int, backend: str) -> None:
         self.engine.init_weight_sync(host, port, 2, 1, backend, 300.0)
-        self.pg = self.engine._group.pg
+        self.pg = self.engine._sync_group.pg
 
     def weight_bytes(self) -> int:
         return self.engine.model.weight_bytes()

@@ -78,15 +78,16 @@ class FaultInjector:
         if (point, step) in self.pending:
             self.pending.discard((point, step))
             log.warning("fault injection: killing rollout engine 0 before %s of step %d", point, step)
-            runtime.engines[0].kill()
+            runtime.kill_engine(0)
 
     def before_train(self, step: int, restart_count: int, runtime) -> None:
         """Kill the last trainer rank if (step, restart_count) is pending."""
         if (step, restart_count) in self.trainer_kills:
             self.trainer_kills.discard((step, restart_count))
+            rank = runtime.trainer.num_ranks - 1
             log.warning("fault injection: killing trainer rank %d before the train call of "
-                        "step %d", len(runtime.trainers) - 1, step)
-            runtime.trainers[-1].kill()
+                        "step %d", rank, step)
+            runtime.kill_trainer(rank)
 
 @dataclass(frozen=True, slots=True)
 class TrainerFaults:

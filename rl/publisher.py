@@ -68,7 +68,7 @@ class WeightPublisher:
         (with `logprob_max_diff` when sync.check_logprobs)."""
         self.faults.at("sync", self.step_in_progress(), self.runtime)
         try:
-            stats = self.runtime.sync(version)
+            stats = self.runtime.weight_sync.update(version)
         except (ActorDied, SyncError) as e:
             # A rollout engine died (before or during the update): replace it; the replacement
             # is brought to `version` as part of the restart. Anything else is fatal.
@@ -128,4 +128,4 @@ class Generator:
 
     def abandon(self) -> None:
         """A generation was given up on (stop): the engines may still be busy with it."""
-        self.runtime.abandoned = True
+        self.runtime.abandon()

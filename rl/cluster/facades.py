@@ -1,7 +1,7 @@
 """The driver's typed view of its two worker groups (slime's actor-group facade is the model).
 
 `TrainerGroup` wraps the trainer ranks (`rl.trainer.worker.TrainerWorker`), `RolloutGroup` the
-engines (`rl.runtime.EngineHost`); behind them are Ray actors or plain processes
+engines (`rl.rollout.host.EngineHost`); behind them are Ray actors or plain processes
 (`rl.cluster.actors`). `*_async` methods return futures, the others block. The method names of
 the workers appear here and nowhere else in the driver.
 
@@ -84,6 +84,10 @@ class TrainerGroup:
             out.update(part)
         return out
 
+    @property
+    def num_ranks(self) -> int:
+        return len(self.actors)
+
     def load(self, path: str, tag: str) -> dict:
         return self._wait([a.call("load", path, tag) for a in self.actors], "load", "load_s")[0]
 
@@ -159,10 +163,28 @@ class Generation:
 
 class RolloutGroup:
     def __init__(self, engines: list, deadlines: DeadlinesConfig | None = None):
-        self.engines = engines
-        """The engine handles; the runtime replaces a dead one in place."""
+        self._engines = list(engines)
         self.deadlines = deadlines or DeadlinesConfig()
         self._wait = _waiter("rollout", self.deadlines)
+
+    @property
+    def engines(self) -> tuple:
+        """The engine handles, in order (this group owns them: `replace` swaps one)."""
+        return tuple(self._engines)
+
+    def replace(self, i: int, engine) -> None:
+        """Engine i is `engine` from now on (the runtime restarted a dead one)."""
+        self._engines[i] = engine
+
+    def dead(self, timeout_s: float = 30) -> list[int]:
+        """Indices of the engines that do not answer within `timeout_s` each."""
+        dead = []
+        for i in range(len(self._engines)):
+            try:
+                self.pid_async(i).result(timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - any failure to answer means it is gone
+                dead.append(i)
+        return dead
 
     def generate_async(self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
                        ) -> Generation:
@@ -171,9 +193,9 @@ class RolloutGroup:
         Prompts are split evenly over engines (in order); engine i samples with seed + i. An
         engine serves its calls in order, so a weight update sent later waits for this call.
         """
-        m = len(self.engines)
+        m = len(self._engines)
         futures = []
-        for i, engine in enumerate(self.engines):
+        for i, engine in enumerate(self._engines):
             chunk = prompt_ids[i::m]
             if chunk:
                 sp = dataclasses.replace(sampling, seed=seed + i)
@@ -186,36 +208,36 @@ class RolloutGroup:
 
     def score(self, prompt_ids, response_ids) -> list[list[list[float]]]:
         """Each engine's per-token log-probs of the responses."""
-        return self._wait([e.call("score", prompt_ids, response_ids) for e in self.engines],
+        return self._wait([e.call("score", prompt_ids, response_ids) for e in self._engines],
                           "score", "score_s")
 
     def busy_seconds(self) -> float:
         """Mean over engines of the seconds each spent working (generate, score, receive)."""
-        busy = self._wait([e.call("busy_seconds") for e in self.engines], "busy_seconds",
+        busy = self._wait([e.call("busy_seconds") for e in self._engines], "busy_seconds",
                           "call_s")
         return sum(busy) / len(busy)
 
     def versions(self) -> list[int]:
-        return self._wait([e.call("weight_version") for e in self.engines], "weight_version",
+        return self._wait([e.call("weight_version") for e in self._engines], "weight_version",
                           "call_s")
 
     def pid_async(self, i: int) -> Future:
         """Engine i's process id: answers iff it is alive."""
-        return self.engines[i].call("pid")
+        return self._engines[i].call("pid")
 
     def num_sync_ranks(self) -> list[int]:
-        return self._wait([e.call("num_sync_ranks") for e in self.engines], "num_sync_ranks",
+        return self._wait([e.call("num_sync_ranks") for e in self._engines], "num_sync_ranks",
                           "call_s")
 
     def init_weight_sync_async(self, host: str, port: int, world_size: int, sizes: list[int],
                                backend: str, timeout_s: float) -> list[Future]:
         """Engine k joins with ranks 1 + sum(sizes[:k]) ... (trainer rank 0 is rank 0)."""
         futures, first = [], 1
-        for e, size in zip(self.engines, sizes):
+        for e, size in zip(self._engines, sizes):
             futures.append(e.call("init_weight_sync", host, port, world_size, first, backend,
                                   timeout_s))
             first += size
         return futures
 
     def receive_weights_async(self, plan, version: int) -> list[Future]:
-        return [e.call("receive_weights", plan, version) for e in self.engines]
+        return [e.call("receive_weights", plan, version) for e in self._engines]

@@ -2,14 +2,16 @@
 
 `place` is the pure decision (tests give it any GPU count); `choose_placement` feeds it what this
 machine has. `sync_backend` maps a placement to `sync.backend`'s transport
-(`rl.sync.backend.choose_backend`). Both refuse what cannot work (ConfigError, one line), which
-`launch.checks.check_placement_or_exit` and `rl.loop.run` turn into a refusal before anything
-starts.
+(`rl.sync.backend.choose_backend`); `worker_env` / `worker_threads` are what each worker
+process of a group starts with. `place` and `sync_backend` refuse what cannot work (ConfigError,
+one line), which `launch.checks.check_placement_or_exit` and `rl.loop.run` turn into a refusal
+before anything starts.
 """
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 
 from rl.config import Config, ConfigError
@@ -78,3 +80,20 @@ def sync_backend(cfg: Config, placement: Placement) -> str:
     gpus = cfg.rollout.tensor_parallel_size if placement.engine_device != "cpu" else 1
     return choose_backend(cfg.sync.backend, placement.trainer_device, placement.engine_device,
                           actors=placement.backend, same_host=same_host, engine_gpus=gpus)
+
+
+def worker_threads(cfg: Config, group: str) -> int:
+    """torch / OpenMP threads of each process of `group` (trainer or rollout)."""
+    rollout = cfg.rollout.torch_threads
+    return rollout if group == "rollout" and rollout else cfg.trainer.torch_threads
+
+
+def worker_env(cfg: Config, group: str) -> dict[str, str]:
+    """The environment variables each worker process of `group` is started with."""
+    env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", ""),
+           "OMP_NUM_THREADS": str(worker_threads(cfg, group)),
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+           # fault-injection hooks (tests) reach the workers
+           **{k: v for k, v in os.environ.items() if k.startswith("RL_FAULT_")}}
+    return {k: v for k, v in env.items() if v}

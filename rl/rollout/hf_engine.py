@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from pathlib import Path
 from typing import Iterable
 
@@ -30,12 +29,12 @@ from rl.rollout.base import (
 )
 from rl.rollout.hf_weights import HFWeightTargets
 from rl.rollout.routing import routing_rows
-from rl.rollout.weights import StreamStats, receive_stream
+from rl.rollout.weights import WeightReceiver, receive_stream
 
 log = logging.getLogger(__name__)
 
 
-class HFEngine:
+class HFEngine(WeightReceiver):
     """Rollout engine around an HF causal LM held in this process."""
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, dtype: str = "auto",
@@ -60,7 +59,6 @@ class HFEngine:
         self.score_batch_tokens = score_batch_tokens
         self.weight_version = 0
         self._targets = HFWeightTargets(self.model)
-        self._group = None
         self._routers = None
 
     # ---- generation --------------------------------------------------------------------
@@ -199,26 +197,8 @@ class HFEngine:
         self._targets.load(named_tensors)
         self.weight_version = version
 
-    def init_weight_sync(self, host: str, port: int, world_size: int, rank: int, backend: str,
-                         timeout_s: float) -> None:
-        from rl.sync.transport import join_group
-
-        self._group = join_group(self._group, host, port, world_size, rank, backend, timeout_s,  # type: ignore[assignment]  # lint baseline (issue 39)
-                                 self.device)
-
-    def receive_weights(self, plan, version: int, verify: bool = False) -> dict:
-        if self._group is None:
-            raise RuntimeError("receive_weights before init_weight_sync")
-        check_version(self.weight_version, version)
-        stats = StreamStats()
-        t0 = time.perf_counter()
-        count = self._targets.load(receive_stream(self._group, plan, version, verify,
-                                                  self.dtype, stats))
-        self.weight_version = version
-        result = stats.as_dict()
-        result.update(loaded_tensors=count, load_seconds=time.perf_counter() - t0,
-                      weight_version=version)
-        return result
+    def _load_received(self, group, plan, version: int, verify: bool) -> int:
+        return self._targets.load(receive_stream(group, plan, version, verify, self.dtype))
 
     @property
     def num_sync_ranks(self) -> int:
@@ -226,7 +206,4 @@ class HFEngine:
         return 1
 
     def shutdown(self) -> None:
-        from rl.sync.transport import destroy
-
-        destroy(self._group)
-        self._group = None
+        self.close_weight_sync()

@@ -19,6 +19,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from rl.rollout.weights import WeightReceiver
+
 log = logging.getLogger(__name__)
 
 
@@ -122,12 +124,12 @@ def recache_v4_cpu_compressors(model: torch.nn.Module) -> int:
     return len(compressors)
 
 
-class WeightSyncExtension:
-    """Mixed into vLLM's Worker: `self.model_runner`, `self.rank`, `self.device` are its own."""
+class WeightSyncExtension(WeightReceiver):
+    """Mixed into vLLM's Worker: `self.model_runner`, `self.rank`, `self.device` are its own;
+    the weight sync is `WeightReceiver`'s, behind the `rl_*` names `collective_rpc` calls."""
     model_runner: Any  # declared for the type checker only: the Worker sets them
     rank: int
     device: torch.device
-    _rl_group: Any  # ours: the weight-sync transport while joined, else None
 
     def _rl_reload(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         names: set[str] = set()
@@ -160,37 +162,25 @@ class WeightSyncExtension:
     def rl_init_weight_sync(self, host: str, port: int, world_size: int, rank: int, backend: str,
                             timeout_s: float) -> None:
         """Join the sync group as rank `rank + self.rank` (tensor-parallel workers in order)."""
-        from rl.sync.transport import join_group
-
-        self._rl_group = join_group(getattr(self, "_rl_group", None), host, port, world_size,
-                                    rank + self.rank, backend, timeout_s, self.device)
+        self.init_weight_sync(host, port, world_size, rank + self.rank, backend, timeout_s)
 
     def rl_receive_weights(self, plan, version: int, verify: bool = False) -> dict:
         """Receive every bucket of `plan` and reload the model from them; returns stats."""
-        from rl.rollout.weights import (
-            StreamStats, as_fp8_checkpoint, engine_loads_block_fp8, receive_stream,
-        )
+        return self.receive_weights(plan, version, verify)
 
-        group = getattr(self, "_rl_group", None)
-        if group is None:
-            raise RuntimeError("rl_receive_weights before rl_init_weight_sync")
-        stats = StreamStats()
+    def _load_received(self, group, plan, version: int, verify: bool) -> int:
+        from rl.rollout.weights import as_fp8_checkpoint, engine_loads_block_fp8, receive_stream
+
         if engine_loads_block_fp8(self.model_runner.vllm_config):
             # FP8 engine: the wire's e4m3 bytes and block scales are its checkpoint format
-            stream = as_fp8_checkpoint(receive_stream(group, plan, version, verify, None, stats))
+            stream = as_fp8_checkpoint(receive_stream(group, plan, version, verify, None))
         else:
             dtype = self.model_runner.model_config.dtype
-            stream = receive_stream(group, plan, version, verify, dtype, stats)
-        count = self._rl_reload(stream)
-        out = stats.as_dict()
-        out["loaded_tensors"] = count
-        return out
+            stream = receive_stream(group, plan, version, verify, dtype)
+        return self._rl_reload(stream)
 
     def rl_close_weight_sync(self) -> None:
-        from rl.sync.transport import destroy
-
-        destroy(getattr(self, "_rl_group", None))
-        self._rl_group = None
+        self.close_weight_sync()
 
     def rl_weight_digest(self) -> float:
         """Sum of |w| over parameters (diagnostics: did anything change?)."""

@@ -1,20 +1,29 @@
-"""Turning a weight-sync stream into the (name, tensor) pairs an engine loads.
+"""An engine's end of the weight sync, and turning its stream into the (name, tensor) pairs an
+engine loads.
 
-Shared by the HF engine and the vLLM worker extension: both receive buckets through
-`rl.sync.transport.receive_buckets` and feed one flat stream of named tensors to their loader,
-so a bucket is released as soon as its tensors are copied (memory stays at about one bucket plus
-what the loader holds back until a layer is complete).
+`WeightReceiver` is the one implementation of `init_weight_sync` / `receive_weights`
+(`rl.rollout.base.RolloutEngine`): the hf and native engines and each vLLM worker
+(`rl.rollout.vllm_ext`) inherit it and only load what arrives. The hf engine and the vLLM workers
+receive buckets through `rl.sync.transport.receive_buckets` and feed one flat stream of named
+tensors to their loader (`receive_stream`), so a bucket is released as soon as its tensors are
+copied (memory stays at about one bucket plus what the loader holds back until a layer is
+complete).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
 from rl.quant.block_fp8 import DEFAULT_BLOCK
 from rl.quant.wire import scale_name, unpack_fp8_from_wire, wire_to_fp8
+from rl.rollout.base import check_version
+
+if TYPE_CHECKING:
+    from rl.sync.buckets import SyncPlan
+    from rl.sync.transport import Transport
 
 _SCALE_SUFFIX = scale_name("")  # "_scale_inv"
 
@@ -73,11 +82,12 @@ def decode_wire(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
 
 
 def receive_stream(group, plan, version: int, verify: bool, dtype: torch.dtype | None,
-                   stats: StreamStats) -> Iterator[tuple[str, torch.Tensor]]:
+                   stats: StreamStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Named tensors of every bucket of `plan`, decoded into `dtype` (None: FP8 pairs are kept as
     `(bytes, scales)` tuples, see `pair_wire`); counts bytes into `stats` as it goes."""
     from rl.sync.transport import receive_buckets
 
+    stats = stats if stats is not None else StreamStats()
     stats.t0 = time.perf_counter()
 
     def raw() -> Iterator[tuple[str, torch.Tensor]]:
@@ -87,6 +97,54 @@ def receive_stream(group, plan, version: int, verify: bool, dtype: torch.dtype |
             yield from bucket
 
     return pair_wire(raw()) if dtype is None else decode_wire(raw(), dtype)
+
+
+class WeightReceiver:
+    """An engine's end of the weight-sync group (`rl.sync.transport`): joins it, receives every
+    bucket of an update, checks and sets the version, reports stats. A subclass sets `device`
+    (where NCCL and IPC buckets land) and `weight_version`, and loads what arrives in
+    `_load_received`."""
+    device: torch.device
+    weight_version: int = 0
+    """The version the weights hold (a vLLM worker keeps its own; its engine checks too)."""
+    _sync_group: Transport | None = None
+    """The weight-sync transport while joined, else None."""
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, rank: int, backend: str,
+                         timeout_s: float) -> None:
+        """Join (or rejoin) the group as `rank`; blocks until every rank joined."""
+        from rl.sync.transport import join_group
+
+        self._sync_group = join_group(self._sync_group, host, port, world_size, rank, backend,
+                                      timeout_s, self.device)
+
+    def receive_weights(self, plan: SyncPlan, version: int, verify: bool = False) -> dict:
+        """Receive and load every bucket of `plan` as `version`. Stats: bytes, num_tensors,
+        seconds (receiving and loading, until the weights are usable), gbytes_per_s,
+        loaded_tensors, weight_version."""
+        if self._sync_group is None:
+            raise RuntimeError("receive_weights before init_weight_sync")
+        check_version(self.weight_version, version)
+        t0 = time.perf_counter()
+        count = self._load_received(self._sync_group, plan, version, verify)
+        self.weight_version = version
+        seconds = time.perf_counter() - t0
+        return {"bytes": plan.total_bytes, "num_tensors": plan.num_tensors, "seconds": seconds,
+                "gbytes_per_s": plan.total_bytes / max(seconds, 1e-9) / 1e9,
+                "loaded_tensors": count, "weight_version": version}
+
+    def _load_received(self, group: Transport, plan: SyncPlan, version: int, verify: bool
+                       ) -> int:
+        """Receive every bucket of `plan` from `group` and load it; returns the tensors loaded
+        (an FP8 pair counts once)."""
+        raise NotImplementedError
+
+    def close_weight_sync(self) -> None:
+        """Leave the group (nothing to do when not joined)."""
+        from rl.sync.transport import destroy
+
+        destroy(self._sync_group)
+        self._sync_group = None
 
 
 def mxfp4_experts(model_type: str | None, expert_dtype: str | None) -> bool:

@@ -19,7 +19,6 @@ Runs on CPU too (torch reference kernels, no graphs, fp32): that is what the CPU
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Iterable
 
@@ -37,7 +36,7 @@ from rl.rollout.native.sampling import sample_tokens
 from rl.rollout.native.weights import IncompleteWeightsError
 from rl.rollout.routing import routing_rows
 from rl.models.routing import routing_dtype
-from rl.rollout.weights import StreamStats, pair_wire, receive_stream
+from rl.rollout.weights import WeightReceiver, pair_wire, receive_stream
 
 log = logging.getLogger(__name__)
 _STOP_CHECK = 16
@@ -76,7 +75,7 @@ class _Graph:
         return self.logits
 
 
-class NativeEngine:
+class NativeEngine(WeightReceiver):
     """Rollout engine around `NativeQwen3` in this process (see the module docstring)."""
 
     def __init__(self, model_dir: str | Path | None, cfg: RolloutConfig, *, dtype: str = "auto",
@@ -121,7 +120,6 @@ class NativeEngine:
         self.weight_version = 0
         self._graphs: dict[int, _Graph] = {}
         self._pool = None
-        self._group = None
         self._jobs = None   # cached weight-sync copy lists (see _copy_jobs)
         if self.model_dir is not None:
             self._load_checkpoint(self.model_dir)
@@ -307,16 +305,9 @@ class NativeEngine:
         self._load(pair_wire((n, t.to(self.device)) for n, t in named_tensors))
         self.weight_version = version
 
-    def init_weight_sync(self, host: str, port: int, world_size: int, rank: int, backend: str,
-                         timeout_s: float) -> None:
-        from rl.sync.transport import join_group
-
-        self._group = join_group(self._group, host, port, world_size, rank, backend, timeout_s,  # type: ignore[assignment]  # lint baseline (issue 39)
-                                 self.device)
-
-    def receive_weights(self, plan, version: int, verify: bool = False) -> dict:
-        """Receive, place, and wait until the weights are usable on this device; `seconds`
-        covers all of it.
+    def _load_received(self, group, plan, version: int, verify: bool) -> int:
+        """Receive, place, and wait until the weights are usable on this device (the receive
+        stats' `seconds` cover all of it).
 
         Every wire tensor the engine stores byte for byte (block-aligned FP8 pairs, same-dtype
         tensors) is copied straight from the bucket into its weight, all of a bucket's copies in
@@ -327,21 +318,14 @@ class NativeEngine:
         from rl.sync.buckets import unpack_bucket
         from rl.sync.transport import receive_buckets
 
-        if self._group is None:
-            raise RuntimeError("receive_weights before init_weight_sync")
-        check_version(self.weight_version, version)
-        t0 = time.perf_counter()
-        if self._group.device != self.device:   # gloo to a GPU engine: the generic path
-            stats = StreamStats()
+        if group.device != self.device:   # gloo to a GPU engine: the generic path
             count = self._load((n, tuple(x.to(self.device) for x in v) if isinstance(v, tuple)
                                 else v.to(self.device))
-                               for n, v in receive_stream(self._group, plan, version, verify,
-                                                          None, stats))
+                               for n, v in receive_stream(group, plan, version, verify, None))
         else:
             jobs = self._copy_jobs(plan)
             rest, count = [], 0
-            for i, buf in enumerate(receive_buckets(self._group, plan, version, verify,
-                                                    raw=True)):
+            for i, buf in enumerate(receive_buckets(group, plan, version, verify, raw=True)):
                 dsts, spans, slow = jobs[i]
                 if dsts:
                     torch._foreach_copy_(dsts, [buf[a:b] for a, b in spans])
@@ -352,11 +336,7 @@ class NativeEngine:
             count += self._load(pair_wire(rest))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.weight_version = version
-        seconds = time.perf_counter() - t0
-        return {"bytes": plan.total_bytes, "num_tensors": plan.num_tensors, "seconds": seconds,
-                "gbytes_per_s": plan.total_bytes / max(seconds, 1e-9) / 1e9,
-                "loaded_tensors": count, "weight_version": version}
+        return count
 
     def _copy_jobs(self, plan):
         """Per bucket: (destination byte views, (start, end) byte spans in the bucket, names of
@@ -394,10 +374,7 @@ class NativeEngine:
         return 1
 
     def shutdown(self) -> None:
-        from rl.sync.transport import destroy
-
-        destroy(self._group)
-        self._group = None
+        self.close_weight_sync()
         self._graphs.clear()
         self._jobs = None
 

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
                                              "trainer.zero_stage=2", *sys.argv[2:]])
     rt = Runtime(cfg, str(model_dir), 4, placement=Placement("proc", "cpu", "cpu"))
     try:
-        threads, omp = rt.engines[0].call("threads").result(timeout=60)
+        threads, omp = rt.rollout.engines[0].call("threads").result(timeout=60)
         print("ENGINE", omp, threads, flush=True)
     finally:
         rt.shutdown()

@@ -9,7 +9,7 @@ import pytest
 
 from rl.cluster.actors import ProcActor, RayActor, RemoteError, wait_all
 from rl.cluster.groups import free_port
-from rl.runtime import wait_for_sync
+from rl.sync.group import wait_for_sync
 from rl.sync.transport import SyncError
 from tests.rl.sync.sync_workers import Receiver, Sender
 
