@@ -109,123 +109,171 @@ def _largest_dense_module(arch: Arch) -> int:
     return arch.memoised("largest_dense_module", compute)
 
 
-def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
-    t, p, cl = cfg.trainer, cfg.plan, cfg.cluster.trainer
-    ep = t.expert_parallel_size
-    # Expert parallelism (rl.trainer.expert_parallel) keeps the routed experts out of ZeRO:
-    # P is what ZeRO holds, the routed stacks are counted 1/EP per rank below.
-    routed = sum(x.numel for x in arch.tensors if x.routed) if ep > 1 else 0
-    n, stage, P = t.num_ranks, t.zero_stage, arch.total_params - routed
-    on_gpu = cl.gpus_per_node > 0
-    local = cfg.cluster.kind == "local"
-    nodes = cfg.cluster.num_nodes("trainer")  # a local run puts every rank on this machine
-    per_node = cl.gpus_per_node if on_gpu else math.ceil(n / nodes)
-    bf16 = cfg.model.dtype == "bfloat16"
-    w = 2 if bf16 else 4                      # parameter / gradient bytes
-    opt_dev, par_dev = t.optimizer_offload, t.param_offload
+@dataclass(frozen=True, slots=True)
+class _Ranks:
+    """The trainer group's shape, as `plan_trainer`'s rows use it."""
+    n: int                # trainer ranks
+    stage: int            # ZeRO stage
+    ep: int               # expert-parallel size
+    routed: int           # routed-expert parameters kept out of ZeRO (0 without EP)
+    P: int                # parameters ZeRO holds
+    w: int                # parameter / gradient bytes
+    bf16: bool
+    on_gpu: bool
+    nodes: int
+    per_node: int         # ranks per node
+    opt_dev: str          # trainer.optimizer_offload
+    par_dev: str          # trainer.param_offload
+
+    @classmethod
+    def of(cls, cfg: Config, arch: Arch) -> _Ranks:
+        t, cl = cfg.trainer, cfg.cluster.trainer
+        ep = t.expert_parallel_size
+        # Expert parallelism (rl.trainer.expert_parallel) keeps the routed experts out of ZeRO:
+        # P is what ZeRO holds, the routed stacks are counted 1/EP per rank (_expert_lines).
+        routed = sum(x.numel for x in arch.tensors if x.routed) if ep > 1 else 0
+        n = t.num_ranks
+        on_gpu = cl.gpus_per_node > 0
+        nodes = cfg.cluster.num_nodes("trainer")  # a local run puts every rank on this machine
+        bf16 = cfg.model.dtype == "bfloat16"
+        return cls(n=n, stage=t.zero_stage, ep=ep, routed=routed, P=arch.total_params - routed,
+                   w=2 if bf16 else 4, bf16=bf16, on_gpu=on_gpu, nodes=nodes,
+                   per_node=cl.gpus_per_node if on_gpu else math.ceil(n / nodes),
+                   opt_dev=t.optimizer_offload, par_dev=t.param_offload)
+
+    def part(self, nbytes: float, partitioned: bool) -> float:
+        return nbytes / self.n if partitioned else nbytes
+
+    def place(self, label: str, per_rank: float, device: str, phase: str = "always") -> Line:
+        if device == "gpu":
+            return Line(label, gpu=per_rank, phase=phase)
+        key = "host" if device == "cpu" else "nvme"
+        return Line(label, phase=phase, **{key: per_rank * self.per_node})
+
+
+def _trainer_problems(cfg: Config, arch: Arch, r: _Ranks) -> list[str]:
+    """Combinations the trainer cannot run, whatever the memory."""
+    cl, ep = cfg.cluster.trainer, r.ep
     problems: list[str] = []
-    if opt_dev != "none" and stage == 0:
+    if r.opt_dev != "none" and r.stage == 0:
         problems.append("trainer.optimizer_offload needs trainer.zero_stage >= 1 (DeepSpeed "
                         "offloads ZeRO partitions)")
-    if par_dev != "none" and stage != 3:
+    if r.par_dev != "none" and r.stage != 3:
         problems.append("trainer.param_offload needs trainer.zero_stage: 3")
     if ep > 1 and (not arch.num_experts or arch.num_experts % ep):
         problems.append(f"trainer.expert_parallel_size {ep} does not divide the model's "
                         f"{arch.num_experts} routed experts")
-    if on_gpu and not local and n != cl.nodes * cl.gpus_per_node:
-        problems.append(f"trainer.num_ranks is {n} but cluster.trainer has {cl.nodes} x "
+    if r.on_gpu and cfg.cluster.kind != "local" and r.n != cl.nodes * cl.gpus_per_node:
+        problems.append(f"trainer.num_ranks is {r.n} but cluster.trainer has {cl.nodes} x "
                         f"{cl.gpus_per_node} = {cl.nodes * cl.gpus_per_node} GPUs")
+    return problems
 
-    def part(nbytes: float, partitioned: bool) -> float:
-        return nbytes / n if partitioned else nbytes
 
-    def place(label: str, per_rank: float, device: str, phase: str = "always") -> Line:
-        if device == "gpu":
-            return Line(label, gpu=per_rank, phase=phase)
-        key = "host" if device == "cpu" else "nvme"
-        return Line(label, phase=phase, **{key: per_rank * per_node})
-
+def _state_lines(r: _Ranks) -> list[Line]:
+    """Parameters, gradients and optimizer state of what ZeRO holds."""
+    n, stage, P, w, bf16, opt_dev, place = r.n, r.stage, r.P, r.w, r.bf16, r.opt_dev, r.place
     lines = [place(f"parameters ({'bf16' if bf16 else 'fp32'}{', 1/%d' % n if stage == 3 else ''})",
-                   part(w * P, stage == 3), "cpu" if par_dev == "cpu" else "gpu")]
+                   r.part(w * P, stage == 3), "cpu" if r.par_dev == "cpu" else "gpu")]
     grads_partitioned = stage >= 2
     if opt_dev != "none" and stage >= 2:
         if stage == 3:  # the reduce-scattered bf16 partition is kept in pinned host memory
             lines.append(place(f"gradients ({'bf16' if bf16 else 'fp32'}, 1/{n}, offloaded)",
-                               part(w * P, True), "cpu"))
+                               r.part(w * P, True), "cpu"))
     else:
         lines.append(place(f"gradients ({'bf16' if bf16 else 'fp32'}"
                            f"{', 1/%d' % n if grads_partitioned else ''})",
-                           part(w * P, grads_partitioned), "gpu"))
-    # ZeRO-2/3 with offload: the GPU keeps only the reduce bucket (below); ZeRO-3 also keeps the
-    # bf16 partition in pinned host memory (above), ZeRO-2 reduces straight into the fp32 copy.
+                           r.part(w * P, grads_partitioned), "gpu"))
+    # ZeRO-2/3 with offload: the GPU keeps only the reduce bucket (_buffer_lines); ZeRO-3 also
+    # keeps the bf16 partition in pinned host memory (above), ZeRO-2 reduces straight into the
+    # fp32 copy.
     opt_where = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}[opt_dev]
     if bf16 or stage >= 1:  # ZeRO partitions always get an fp32 copy, even of fp32 parameters
         lines.append(place(f"fp32 master weights{' (1/%d)' % n if stage else ''}",
-                           part(4 * P, stage >= 1), opt_where))
+                           r.part(4 * P, stage >= 1), opt_where))
     lines.append(place(f"AdamW moments m, v (fp32){' (1/%d)' % n if stage else ''}",
-                       part(8 * P, stage >= 1), opt_where))
+                       r.part(8 * P, stage >= 1), opt_where))
     if bf16:
-        fp32_grad = part(4 * P, stage >= 1)
+        fp32_grad = r.part(4 * P, stage >= 1)
         if opt_dev == "none":
             if stage == 3:  # stepped one sub-group at a time
                 fp32_grad = min(fp32_grad, 4 * SUB_GROUP_ELEMS)
             lines.append(place("fp32 gradient copy (optimizer step)", fp32_grad, "gpu", "step"))
         else:
             lines.append(place("fp32 gradients (offloaded)", fp32_grad, opt_where))
+    return lines
+
+
+def _expert_lines(arch: Arch, r: _Ranks) -> list[Line]:
+    """The routed experts under expert parallelism (none without it)."""
+    ep, routed, w, bf16, opt_dev, place = r.ep, r.routed, r.w, r.bf16, r.opt_dev, r.place
     if ep > 1 and opt_dev == "none":  # weights, gradients, fp32 master (bf16 only), AdamW m, v
-        lines.append(place(f"routed experts (1/{ep}, expert parallel): weights, gradients, "
-                           "optimizer", routed / ep * (2 * w + (4 if bf16 else 0) + 8), "gpu"))
-    elif ep > 1:  # offloaded (nvme too): rl.trainer.expert_parallel keeps the state in host RAM
-        lines.append(place(f"routed experts (1/{ep}, expert parallel): weights, gradients",
-                           routed / ep * 2 * w, "gpu"))
-        lines.append(place(f"routed experts (1/{ep}): fp32 master, AdamW m, v (host RAM"
-                           f"{', not NVMe' if opt_dev == 'nvme' else ''})", routed / ep * 12,
-                           "cpu"))
-        # Stepped one tensor at a time: one fp32 gradient buffer (and a bf16 staging one) of
-        # the largest shard.
-        largest = max((x.numel for x in arch.tensors if x.routed), default=0) / ep
-        lines.append(place("routed experts: fp32 gradient of one tensor (CPU AdamW step)",
-                           largest * (4 + (w if bf16 else 0)), "cpu"))
-    if opt_dev == "nvme":
-        swap = SWAP_BUFFERS * min(SUB_GROUP_ELEMS, P / n) * 4
-        lines.append(place("NVMe swap buffers (pinned)", swap, "cpu"))
-    if on_gpu and stage >= 1:  # allocated at engine init (CPU pages stay untouched: skipped)
-        lines.append(place("ZeRO reduce bucket (5e8 elements)", w * BUCKET_ELEMS, "gpu"))
-    if stage == 3:
-        largest = arch.largest_module() if ep == 1 else _largest_dense_module(arch)
-        gathered = 2 * w * (largest + min(PREFETCH_ELEMS, P))
-        lines.append(place("ZeRO-3 gathered largest module + its gradient", gathered, "gpu", "train"))
+        return [place(f"routed experts (1/{ep}, expert parallel): weights, gradients, "
+                      "optimizer", routed / ep * (2 * w + (4 if bf16 else 0) + 8), "gpu")]
+    if ep <= 1:
+        return []
+    # offloaded (nvme too): rl.trainer.expert_parallel keeps the state in host RAM
+    lines = [place(f"routed experts (1/{ep}, expert parallel): weights, gradients",
+                   routed / ep * 2 * w, "gpu"),
+             place(f"routed experts (1/{ep}): fp32 master, AdamW m, v (host RAM"
+                   f"{', not NVMe' if opt_dev == 'nvme' else ''})", routed / ep * 12, "cpu")]
+    # Stepped one tensor at a time: one fp32 gradient buffer (and a bf16 staging one) of
+    # the largest shard.
+    largest = max((x.numel for x in arch.tensors if x.routed), default=0) / ep
+    lines.append(place("routed experts: fp32 gradient of one tensor (CPU AdamW step)",
+                       largest * (4 + (w if bf16 else 0)), "cpu"))
+    return lines
+
+
+def _buffer_lines(cfg: Config, arch: Arch, r: _Ranks) -> list[Line]:
+    """Swap buffers, ZeRO buckets and gathers, and the reference model."""
+    lines = []
+    if r.opt_dev == "nvme":
+        swap = SWAP_BUFFERS * min(SUB_GROUP_ELEMS, r.P / r.n) * 4
+        lines.append(r.place("NVMe swap buffers (pinned)", swap, "cpu"))
+    if r.on_gpu and r.stage >= 1:  # allocated at engine init (CPU pages stay untouched: skipped)
+        lines.append(r.place("ZeRO reduce bucket (5e8 elements)", r.w * BUCKET_ELEMS, "gpu"))
+    if r.stage == 3:
+        largest = arch.largest_module() if r.ep == 1 else _largest_dense_module(arch)
+        gathered = 2 * r.w * (largest + min(PREFETCH_ELEMS, r.P))
+        lines.append(r.place("ZeRO-3 gathered largest module + its gradient", gathered, "gpu",
+                             "train"))
     if cfg.algorithm.kl_coef > 0:
-        lines.append(place("reference model (kl_coef > 0; full copy, not partitioned)", w * P, "gpu"))
+        lines.append(r.place("reference model (kl_coef > 0; full copy, not partitioned)",
+                             r.w * r.P, "gpu"))
+    return lines
 
-    seq = sequence_length(cfg)
-    tokens = max(t.micro_batch_tokens, seq)
-    # The rule load_model applies, so the plan counts the attention the trainer really runs.
-    eager = attention_kernel(arch.model_type, t.attention_kernel) == "eager"
+
+def _activation_lines(cfg: Config, arch: Arch, r: _Ranks, tokens: int, seq: int,
+                      eager: bool) -> list[Line]:
+    """Forward/backward activations of one micro-batch of `tokens`, then the CUDA overhead."""
+    t = cfg.trainer
     act = activations.estimate(arch, tokens, seq, t.activation_checkpointing, eager,
-                               cfg.algorithm.entropy_coef > 0, elem_bytes=w)
+                               cfg.algorithm.entropy_coef > 0, elem_bytes=r.w)
     ckpt = "checkpointed" if t.activation_checkpointing else "no checkpointing"
-    lines.append(place(f"activations: decoder layers ({ckpt})", act.layers, "gpu", "train"))
-    lines.append(place("activations: logits + log-prob fp32 chunks", act.logits, "gpu", "train"))
+    lines = [r.place(f"activations: decoder layers ({ckpt})", act.layers, "gpu", "train"),
+             r.place("activations: logits + log-prob fp32 chunks", act.logits, "gpu", "train")]
     if eager:
-        lines.append(place(f"activations: eager attention scores (S={seq:,})", act.eager_scores,
-                           "gpu", "train"))
-    if on_gpu:
-        lines.append(place("CUDA context, NCCL, allocator slack (plan.overhead_gb)",
-                           p.overhead_gb * GiB, "gpu"))
+        lines.append(r.place(f"activations: eager attention scores (S={seq:,})",
+                             act.eager_scores, "gpu", "train"))
+    if r.on_gpu:
+        lines.append(r.place("CUDA context, NCCL, allocator slack (plan.overhead_gb)",
+                             cfg.plan.overhead_gb * GiB, "gpu"))
+    return lines
 
-    host_budget = p.host_memory_gb * GiB
-    if cl.mem_gb > 0:
-        host_budget = min(host_budget, cl.mem_gb * GiB)
-    header = [
-        f"{nodes} node(s) x {per_node} rank(s) = {n} ranks"
-        + ("" if on_gpu else " (CPU: no GPU budget; host memory holds everything)"),
-        f"DeepSpeed ZeRO-{stage}, {'bf16 mixed precision' if bf16 else 'fp32'} + AdamW, "
-        f"optimizer offload: {opt_dev}, param offload: {par_dev}, activation checkpointing: "
-        f"{'on' if t.activation_checkpointing else 'off'}",
+
+def _trainer_header(cfg: Config, r: _Ranks, tokens: int, seq: int) -> list[str]:
+    return [
+        f"{r.nodes} node(s) x {r.per_node} rank(s) = {r.n} ranks"
+        + ("" if r.on_gpu else " (CPU: no GPU budget; host memory holds everything)"),
+        f"DeepSpeed ZeRO-{r.stage}, {'bf16 mixed precision' if r.bf16 else 'fp32'} + AdamW, "
+        f"optimizer offload: {r.opt_dev}, param offload: {r.par_dev}, activation checkpointing: "
+        f"{'on' if cfg.trainer.activation_checkpointing else 'off'}",
         f"micro-batch: {tokens:,} tokens (sequences up to {seq:,} = min(max_model_len, "
         f"{cfg.data.max_prompt_tokens:,} prompt + {cfg.rollout.max_new_tokens:,} new))",
     ]
+
+
+def _trainer_notes(arch: Arch, r: _Ranks, eager: bool) -> list[str]:
     notes = []
     if eager:
         notes.append(f"attention: transformers' eager {arch.model_type} attention "
@@ -233,15 +281,35 @@ def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
     elif arch.model_type in EAGER_ONLY:
         notes.append("attention: rl.models.v4_attention, O(S) memory, the trainer's default for "
                      f"{arch.model_type} (measured: bench/results/v4_attention.md)")
-    if ep > 1 and opt_dev == "nvme":
+    if r.ep > 1 and r.opt_dev == "nvme":
         notes.append("expert parallelism: the routed experts' fp32 master weights and AdamW "
                      "moments go to host RAM, not NVMe (rl.trainer.expert_parallel steps them "
                      "on the CPU; DeepSpeed's NVMe swapper serves only its own ZeRO state)")
-    if not on_gpu:  # CPU run: everything sits in host memory of the one machine
+    return notes
+
+
+def plan_trainer(cfg: Config, arch: Arch) -> GroupPlan:
+    """The trainer group's memory table: ZeRO state, expert shards, buffers, activations."""
+    t, p, cl = cfg.trainer, cfg.plan, cfg.cluster.trainer
+    r = _Ranks.of(cfg, arch)
+    problems = _trainer_problems(cfg, arch, r)
+    lines = _state_lines(r) + _expert_lines(arch, r) + _buffer_lines(cfg, arch, r)
+    seq = sequence_length(cfg)
+    tokens = max(t.micro_batch_tokens, seq)
+    # The rule load_model applies, so the plan counts the attention the trainer really runs.
+    eager = attention_kernel(arch.model_type, t.attention_kernel) == "eager"
+    lines += _activation_lines(cfg, arch, r, tokens, seq, eager)
+
+    host_budget = p.host_memory_gb * GiB
+    if cl.mem_gb > 0:
+        host_budget = min(host_budget, cl.mem_gb * GiB)
+    header = _trainer_header(cfg, r, tokens, seq)
+    notes = _trainer_notes(arch, r, eager)
+    if not r.on_gpu:  # CPU run: everything sits in host memory of the one machine
         for ln in lines:
-            ln.host, ln.gpu = ln.host + ln.gpu * per_node, 0.0
-    return GroupPlan("trainer", header, lines, p.gpu_memory_gb * GiB if on_gpu else None,
-                     host_budget, p.nvme_gb * GiB if opt_dev == "nvme" else None,
+            ln.host, ln.gpu = ln.host + ln.gpu * r.per_node, 0.0
+    return GroupPlan("trainer", header, lines, p.gpu_memory_gb * GiB if r.on_gpu else None,
+                     host_budget, p.nvme_gb * GiB if r.opt_dev == "nvme" else None,
                      problems, notes)
 
 
