@@ -247,6 +247,36 @@ def _fmt(s: float) -> str:
     return f"{s:,.2f} s" if s >= 0.1 else f"{s * 1e3:,.1f} ms"
 
 
+def _weight_sync(cfg: Config, arch: Arch, dev: Device) -> tuple[float, float, float, float]:
+    """Weight sync, trainer rank 0 -> every engine (across nodes on a Slurm job):
+    (wire bytes, link GB/s, seconds with the ZeRO-3 gather, seconds of that gather)."""
+    p, t = cfg.plan, cfg.trainer
+    fp8_wire = cfg.sync.wire_dtype == "fp8"
+    wire = rollout_weight_bytes(arch, 1, True)[0] if fp8_wire else 2 * arch.total_params
+    across = cfg.cluster.kind == "slurm" and cfg.cluster.rollout.gpus_per_node > 0
+    link = dev.inter_node_gbps if across else dev.intra_node_gbps
+    sync = sync_s(wire, link, p.sync_efficiency)
+    gather = 0.0
+    if t.zero_stage == 3:  # every parameter onto rank 0 before it is sent
+        spans = cfg.cluster.num_nodes("trainer") > 1
+        gather = ring_s(2 * arch.total_params, t.num_ranks,
+                        dev.inter_node_gbps if spans else dev.intra_node_gbps)
+    return wire, link, sync + gather, gather
+
+
+def _not_counted(cfg: Config, arch: Arch) -> str:
+    """The estimate's last line: what a step spends that it leaves out."""
+    t, ep = cfg.trainer, cfg.trainer.expert_parallel_size
+    return (f"not counted: {t.num_mini_batches * t.ppo_epochs} optimizer step(s)"
+            + (f" (offloaded to {t.optimizer_offload}: 16 B of fp32 state per parameter moves "
+               "each time" + ("; the routed experts' AdamW runs on the host CPU, their bf16 "
+                              "gradients and weights cross PCIe" if ep > 1 else "") + ")"
+               if t.optimizer_offload != "none" else "")
+            + ", reward, evaluation, checkpoints"
+            + (", V4 prefill attention (no measured inference rate)"
+               if arch.model_type in EAGER_ONLY else ""))
+
+
 def estimate(cfg: Config, arch: Arch, rollout: GroupPlan) -> StepTime:
     """The step-time estimate of `cfg` (`rollout`: its memory plan, for the KV layout)."""
     dev, p, t, r = device(cfg), cfg.plan, cfg.trainer, cfg.rollout
@@ -261,18 +291,8 @@ def estimate(cfg: Config, arch: Arch, rollout: GroupPlan) -> StepTime:
     comm = trainer_comm_s(cfg, arch, micro_batches, min(mb_tokens, tokens_rank), dev)
     train = sum(comp.values()) + sum(comm.values())
 
-    # weight sync: trainer rank 0 -> every engine; across nodes on a Slurm job
     fp8_wire = cfg.sync.wire_dtype == "fp8"
-    wire = rollout_weight_bytes(arch, 1, True)[0] if fp8_wire else 2 * arch.total_params
-    across = cfg.cluster.kind == "slurm" and cfg.cluster.rollout.gpus_per_node > 0
-    link = dev.inter_node_gbps if across else dev.intra_node_gbps
-    sync = sync_s(wire, link, p.sync_efficiency)
-    gather = 0.0
-    if t.zero_stage == 3:  # every parameter onto rank 0 before it is sent
-        spans = cfg.cluster.num_nodes("trainer") > 1
-        gather = ring_s(2 * arch.total_params, t.num_ranks,
-                        dev.inter_node_gbps if spans else dev.intra_node_gbps)
-    sync_total = sync + gather
+    wire, link, sync_total, gather = _weight_sync(cfg, arch, dev)
 
     # rollout: one engine's share of the step's samples, in waves the KV cache can hold
     tp, fp8 = r.tensor_parallel_size, r.quantization == "fp8"
@@ -318,13 +338,6 @@ def estimate(cfg: Config, arch: Arch, rollout: GroupPlan) -> StepTime:
         _row("  rollout", roll),
         _row("step (on-policy: rollout + train + sync)" if staleness == 0 else
              f"step (max_staleness {staleness}: max(rollout, train + sync))", total),
-        f"not counted: {t.num_mini_batches * t.ppo_epochs} optimizer step(s)"
-        + (f" (offloaded to {t.optimizer_offload}: 16 B of fp32 state per parameter moves "
-           "each time" + ("; the routed experts' AdamW runs on the host CPU, their bf16 "
-                          "gradients and weights cross PCIe" if ep > 1 else "") + ")"
-           if t.optimizer_offload != "none" else "")
-        + ", reward, evaluation, checkpoints"
-        + (", V4 prefill attention (no measured inference rate)"
-           if arch.model_type in EAGER_ONLY else ""),
+        _not_counted(cfg, arch),
     ]
     return StepTime(roll, train, sync_total, total, tuple(lines))
