@@ -117,6 +117,27 @@ def _finish_codes(reasons: Sequence[str | int]) -> np.ndarray:
     return codes
 
 
+def _batch_arrays(step: int, n: int, columns: dict[str, Any]) -> dict[str, np.ndarray]:
+    """One array of n rows per dataset (routing aside) from `append`'s checked columns. Raises
+    ValueError for a log-prob row whose length is not its response's."""
+    data: dict[str, np.ndarray] = {name: _vlen_array(columns[name], dtype)
+                                   for name, dtype in _VLEN_COLUMNS.items()}
+    response_len = np.array([len(r) for r in data["response_ids"]], dtype=np.int32)
+    for name in ("rollout_logprobs", "old_logprobs"):
+        for i, lp in enumerate(data[name]):
+            if len(lp) != response_len[i] and not (name == "old_logprobs" and len(lp) == 0):
+                raise ValueError(f"trajectory batch: {name}[{i}] has {len(lp)} values for a "
+                                 f"response of {response_len[i]} tokens")
+    data["step"] = np.full(n, step, dtype=np.int64)
+    data["prompt_length"] = np.array([len(p) for p in data["prompt_ids"]], dtype=np.int32)
+    data["response_length"] = response_len
+    data["finish_reason"] = _finish_codes(columns["finish_reason"])
+    for name in ("weight_version", "prompt_index", "sample_index", "reward", "advantage",
+                 "staleness"):
+        data[name] = np.asarray(columns[name], dtype=_SCALAR_COLUMNS[name]).reshape(n)
+    return data
+
+
 class TrajectoryWriter:
     """Appends rollout batches to `path` (created with the schema on first use)."""
 
@@ -186,22 +207,11 @@ class TrajectoryWriter:
             if len(values) != n:
                 raise ValueError(f"trajectory batch: {name} has {len(values)} rows, "
                                  f"prompt_index has {n}")
-        data: dict[str, np.ndarray] = {name: _vlen_array(columns[name], dtype)
-                                       for name, dtype in _VLEN_COLUMNS.items()}
-        response_len = np.array([len(r) for r in data["response_ids"]], dtype=np.int32)
-        for name in ("rollout_logprobs", "old_logprobs"):
-            for i, lp in enumerate(data[name]):
-                if len(lp) != response_len[i] and not (name == "old_logprobs" and len(lp) == 0):
-                    raise ValueError(f"trajectory batch: {name}[{i}] has {len(lp)} values for a "
-                                     f"response of {response_len[i]} tokens")
-        data["step"] = np.full(n, step, dtype=np.int64)
-        data["prompt_length"] = np.array([len(p) for p in data["prompt_ids"]], dtype=np.int32)
-        data["response_length"] = response_len
-        data["finish_reason"] = _finish_codes(finish_reason)
-        for name in ("weight_version", "prompt_index", "sample_index", "reward", "advantage",
-                     "staleness"):
-            data[name] = np.asarray(columns[name], dtype=_SCALAR_COLUMNS[name]).reshape(n)
+        return self._write_rows(step, n, _batch_arrays(step, n, columns), routing)
 
+    def _write_rows(self, step: int, n: int, data: dict[str, np.ndarray],
+                    routing: Sequence[np.ndarray] | None) -> int:
+        """Append `data` (n rows, one array per dataset but routing); returns the row count."""
         with _open(self.path, "a") as f:
             _check_schema(f, self.path)
             start = f["step"].shape[0]
