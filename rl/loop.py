@@ -30,11 +30,11 @@ from rl.pipeline import RolloutBatch, RolloutPipeline, stale_groups, staleness
 from rl.publisher import Generator, WeightPublisher
 from rl.recorder import Recorder, RestartInfo, rollout_metrics
 from rl.resume import check_and_save_config, resume_hash, resume_hashes
-from rl.rewards.computer import RewardComputer, protected_paths
-from rl.rollout.base import SamplingParams
+from rl.rewards.computer import RewardBreakdown, RewardComputer, protected_paths
+from rl.rollout.base import Sample, SamplingParams
 from rl.runtime import Runtime
 from rl.signals import StepAbandoned, StopRequest
-from rl.trainer.batch import TrainBatch
+from rl.trainer.batch import TrainBatch, TrainStats
 from rl.trainer.losses import grpo_advantages
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,29 @@ class TrainState:
     def load_state_dict(self, state: dict) -> None:
         for f in fields(self):
             setattr(self, f.name, state[f.name])
+
+
+@dataclass(slots=True)
+class PhaseSeconds:
+    """Wall seconds of one step's phases: its `time/*` metrics."""
+    rollout: float = 0.0
+    """Taking the step's batch, plus the wait for the generations in flight after training."""
+    reward: float = 0.0
+    train: float = 0.0
+    sync: float = 0.0
+    eval: float = 0.0
+    step: float = 0.0
+
+
+@dataclass(slots=True)
+class ScoredBatch:
+    """A step's rollout batch with its rewards and GRPO advantages: what training takes."""
+    batch: RolloutBatch
+    samples: list[Sample]
+    lags: list[int]
+    """Each sample's staleness (`rl.pipeline.staleness`)."""
+    parts: RewardBreakdown
+    adv: list[float]
 
 
 def setup_logging(run_dir: Path) -> None:
@@ -221,30 +244,45 @@ class Run:
     def step(self, step: int, result: RunResult) -> StepOutcome:
         """One RL step: `trained`, `abandoned` (a stop before training: nothing changed) or
         `aborted` (too many non-finite steps in a row; checkpointed)."""
-        cfg, state, stop, pipe = self.cfg, self.state, self.stop, self.pipeline
         t_step = time.perf_counter()
+        seconds = PhaseSeconds()
+        # 1-4. the rollout batch, its rewards and advantages; until training starts, a stop
+        #      abandons the step (nothing persistent changed yet)
+        scored = self._rollout_and_score(step, seconds)
+        if scored is None:
+            return "abandoned"
+        # 5. train, while the engines generate ahead (a step that has started is finished, then
+        #    checkpointed: the trainer ranks cannot be interrupted)
+        train_batch, trained = self._train(step, scored, seconds)
+        # 6. the generations in flight end, then the weight update trainer -> rollout
+        sync_stats = self._collect_and_publish(seconds)
+        # 7. periodic evaluation
+        metrics = self._evaluate(step, seconds)
+        # 8. log, trajectories, checkpoint
+        self.state.step = step
+        seconds.step = time.perf_counter() - t_step
+        self._record(step, result, metrics, scored, train_batch, trained, sync_stats, seconds)
+        return self._checkpoint(step)
+
+    def _rollout_and_score(self, step: int, seconds: PhaseSeconds) -> ScoredBatch | None:
+        """The step's rollout batch, scored; None when a stop abandoned the step (the prompt
+        sampler and the counters are back where they were)."""
+        cfg, state, stop, pipe = self.cfg, self.state, self.stop, self.pipeline
         before = (self.source.state_dict(), self.rewards.failures, state.dropped_samples)
-        try:  # until training starts, a stop abandons the step: nothing persistent changed yet
+        try:
             # 1. the step's rollout batch: generated ahead (max_staleness >= 1) or now; a dead
             #    engine is restarted, re-synced, and the generation retried
             t0 = time.perf_counter()
             batch = pipe.take(step)
-            t_rollout = time.perf_counter() - t0
+            seconds.rollout = time.perf_counter() - t0
             # 2. samples older than max_staleness are dropped (e.g. after lowering it on resume)
             batch = self._drop_stale(step, batch)
             # 3. the next steps' batches start generating with the current weights
             pipe.launch_ahead(step, cfg.num_steps)
             # 4. rewards and advantages
             t0 = time.perf_counter()
-            samples = batch.samples()
-            lags = staleness(samples, self.publisher.weight_version)
-            examples = [self.source.train[i] for i, g in zip(batch.indices, batch.groups)
-                        for _ in g]
-            parts = self.rewards.score([s.text for s in samples], examples,
-                                       cancelled=lambda: stop.requested)
-            rewards_G = torch.tensor(parts.total, dtype=torch.float32).view(len(batch.groups), -1)
-            adv = grpo_advantages(rewards_G, cfg.algorithm.normalize_std).view(-1).tolist()
-            t_reward = time.perf_counter() - t0
+            scored = self._score(batch)
+            seconds.reward = time.perf_counter() - t0
             if stop.requested:
                 raise StepAbandoned("stop requested before training")
         except StepAbandoned as e:
@@ -252,34 +290,58 @@ class Run:
             pipe.abandon()
             self.source.load_state_dict(before[0])
             self.rewards.failures, state.dropped_samples = before[1], before[2]
-            return "abandoned"
-        # 5. train, while the engines generate ahead (a step that has started is finished, then
-        #    checkpointed: the trainer ranks cannot be interrupted)
+            return None
+        return scored
+
+    def _score(self, batch: RolloutBatch) -> ScoredBatch:
+        """Rewards (StepAbandoned when a stop cancels the scoring) and GRPO advantages."""
+        samples = batch.samples()
+        lags = staleness(samples, self.publisher.weight_version)
+        examples = [self.source.train[i] for i, g in zip(batch.indices, batch.groups)
+                    for _ in g]
+        parts = self.rewards.score([s.text for s in samples], examples,
+                                   cancelled=lambda: self.stop.requested)
+        rewards_G = torch.tensor(parts.total, dtype=torch.float32).view(len(batch.groups), -1)
+        adv = grpo_advantages(rewards_G, self.cfg.algorithm.normalize_std).view(-1).tolist()
+        return ScoredBatch(batch, samples, lags, parts, adv)
+
+    def _train(self, step: int, scored: ScoredBatch,
+               seconds: PhaseSeconds) -> tuple[TrainBatch, TrainStats]:
+        """One training step on the trainer ranks; counts the non-finite steps."""
+        state = self.state
         t0 = time.perf_counter()
         train_batch = TrainBatch.from_samples(
-            samples, adv, routing=pipe.sampling.return_routing)  # what the engines were asked for
+            scored.samples, scored.adv,
+            routing=self.pipeline.sampling.return_routing)  # what the engines were asked for
         self.faults.before_train(step, self.restart.count, self.runtime)  # tests only
         trained = self.runtime.trainer.train(train_batch, step)
-        t_train = time.perf_counter() - t0
+        seconds.train = time.perf_counter() - t0
         # the ranks skipped (together) any optimizer step with a non-finite loss or gradient
         bad = trained.skipped > 0
         state.bad_in_a_row = state.bad_in_a_row + 1 if bad else 0
         state.skipped_steps += int(bad)
-        # 6. the generations in flight end (finished, or cut at the interrupt budget) before
-        #    the online weight update trainer -> rollout. After a stop they are awaited only as
-        #    long as checkpoint.grace_period_s allows, and the update is left to the resumed run
-        #    (which syncs the engines at its start)
+        return train_batch, trained
+
+    def _collect_and_publish(self, seconds: PhaseSeconds) -> dict:
+        """The generations in flight end (finished, or cut at the interrupt budget) before the
+        online weight update trainer -> rollout. After a stop they are awaited only as long as
+        checkpoint.grace_period_s allows, and the update is left to the resumed run (which
+        syncs the engines at its start). Returns the sync's statistics."""
         t0 = time.perf_counter()
-        pipe.collect()
-        t_rollout += time.perf_counter() - t0
+        self.pipeline.collect()
+        seconds.rollout += time.perf_counter() - t0
         t0 = time.perf_counter()
-        if stop.requested:
+        if self.stop.requested:
             self.publisher.weight_version, sync_stats = self.publisher.weight_version + 1, {}
         else:
             sync_stats = self.publisher.publish(self.publisher.weight_version + 1)
-        t_sync = time.perf_counter() - t0
-        # 7. periodic evaluation (after a stop the checkpoint goes first: the resumed run
-        #    evaluates this step's weights at its start and completes this step's record)
+        seconds.sync = time.perf_counter() - t0
+        return sync_stats
+
+    def _evaluate(self, step: int, seconds: PhaseSeconds) -> dict:
+        """The eval/ metrics when an evaluation is due. After a stop the checkpoint goes first:
+        the resumed run evaluates this step's weights at its start and completes its record."""
+        stop = self.stop
         t0 = time.perf_counter()
         metrics = {}
         if self.evaluator.due(step) and not stop.requested:
@@ -287,44 +349,61 @@ class Run:
             metrics.update(self.evaluator.evaluate(step, cancelled=lambda: stop.requested))
         elif self.evaluator.due(step):
             self.evaluator.pending = step
-        t_eval = time.perf_counter() - t0
-        # 8. log, trajectories, checkpoint
-        state.step = step
-        t_total = time.perf_counter() - t_step
+        seconds.eval = time.perf_counter() - t0
+        return metrics
+
+    def _record(self, step: int, result: RunResult, metrics: dict, scored: ScoredBatch,
+                train_batch: TrainBatch, trained: TrainStats, sync_stats: dict,
+                seconds: PhaseSeconds) -> None:
+        """The step's metrics (after `metrics`, the evaluation's) to metrics.jsonl, TensorBoard,
+        the trajectory file, the console and `result.history`."""
         busy = self.publisher.busy_seconds()
         metrics.update(trained.metrics)
-        metrics.update(rollout_metrics(samples, parts, batch.seconds, cfg.rollout.n_samples,
-                                       self.rewards.failures))
-        metrics.update({"sync/seconds": sync_stats.get("seconds", 0.0),
-                        "sync/gbytes_per_s": sync_stats.get("gbytes_per_s", 0.0),
-                        "sync/bytes": float(sync_stats.get("bytes", 0)),
-                        **({"sync/logprob_max_diff": sync_stats["logprob_max_diff"]}
-                           if "logprob_max_diff" in sync_stats else {}),
-                        "weights/version": float(self.publisher.weight_version),
-                        "rollout/staleness_mean": statistics.fmean(lags) if lags else 0.0,
-                        "rollout/staleness_max": float(max(lags, default=0)),
-                        "rollout/dropped_samples": float(state.dropped_samples),
-                        "rollout/resumed_frac": sum(len(s.version_spans) > 1 for s in samples)
-                        / max(len(samples), 1),
-                        # (an engine restarted this step starts its busy count at 0: clamp)
-                        "rollout/idle_ratio": min(1.0, max(0.0, 1.0 - (busy - self._busy_before)
-                                                           / t_total)),
-                        "trainer/idle_ratio": max(0.0, 1.0 - (t_train + t_sync) / t_total),
-                        "faults/rollout_restarts": float(self.publisher.restarts),
-                        "faults/skipped_steps": float(state.skipped_steps),
-                        "time/rollout": t_rollout, "time/reward": t_reward, "time/train": t_train,
-                        "time/sync": t_sync, "time/eval": t_eval, "time/step": t_total})
+        metrics.update(rollout_metrics(scored.samples, scored.parts, scored.batch.seconds,
+                                       self.cfg.rollout.n_samples, self.rewards.failures))
+        metrics.update(self._step_metrics(scored, sync_stats, seconds, busy))
         self._busy_before = busy
-        self.recorder.histogram(step, "rollout/staleness", lags)
-        self.recorder.record(step, metrics, batch, parts, adv,
-                             trained.old_logprobs_in_order(len(train_batch)), lags)
+        self.recorder.histogram(step, "rollout/staleness", scored.lags)
+        self.recorder.record(step, metrics, scored.batch, scored.parts, scored.adv,
+                             trained.old_logprobs_in_order(len(train_batch)), scored.lags)
         result.history.append({"step": step, **metrics})
-        if state.bad_in_a_row >= cfg.checkpoint.max_bad_steps:
+
+    def _step_metrics(self, scored: ScoredBatch, sync_stats: dict, seconds: PhaseSeconds,
+                      busy: float) -> dict[str, float]:
+        """The loop's own sync/, weights/, rollout/, trainer/, faults/ and time/ metrics
+        (`busy`: the engines' busy seconds so far)."""
+        state, lags, samples, t_total = self.state, scored.lags, scored.samples, seconds.step
+        return {"sync/seconds": sync_stats.get("seconds", 0.0),
+                "sync/gbytes_per_s": sync_stats.get("gbytes_per_s", 0.0),
+                "sync/bytes": float(sync_stats.get("bytes", 0)),
+                **({"sync/logprob_max_diff": sync_stats["logprob_max_diff"]}
+                   if "logprob_max_diff" in sync_stats else {}),
+                "weights/version": float(self.publisher.weight_version),
+                "rollout/staleness_mean": statistics.fmean(lags) if lags else 0.0,
+                "rollout/staleness_max": float(max(lags, default=0)),
+                "rollout/dropped_samples": float(state.dropped_samples),
+                "rollout/resumed_frac": sum(len(s.version_spans) > 1 for s in samples)
+                / max(len(samples), 1),
+                # (an engine restarted this step starts its busy count at 0: clamp)
+                "rollout/idle_ratio": min(1.0, max(0.0, 1.0 - (busy - self._busy_before)
+                                                   / t_total)),
+                "trainer/idle_ratio": max(0.0, 1.0 - (seconds.train + seconds.sync) / t_total),
+                "faults/rollout_restarts": float(self.publisher.restarts),
+                "faults/skipped_steps": float(state.skipped_steps),
+                "time/rollout": seconds.rollout, "time/reward": seconds.reward,
+                "time/train": seconds.train, "time/sync": seconds.sync, "time/eval": seconds.eval,
+                "time/step": t_total}
+
+    def _checkpoint(self, step: int) -> StepOutcome:
+        """Save when due or stopping; abort (with a checkpoint) after too many non-finite steps
+        in a row."""
+        state = self.state
+        if state.bad_in_a_row >= self.cfg.checkpoint.max_bad_steps:
             log.error("%d non-finite steps in a row: aborting with a checkpoint",
                       state.bad_in_a_row)
             self.checkpointer.save()
             return "aborted"
-        if stop.requested or self.checkpointer.due(step):
+        if self.stop.requested or self.checkpointer.due(step):
             self.checkpointer.save()
         return "trained"
 
