@@ -817,6 +817,37 @@ def fp8_mma_supported(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
+def _launch_fp8_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          k_exp: torch.Tensor, v_exp: torch.Tensor | None, out: torch.Tensor | None,
+                          m: torch.Tensor | None, l_sum: torch.Tensor | None,
+                          start: torch.Tensor, pos: torch.Tensor, sm_scale: float, splits: int,
+                          fp8_mma: tuple[bool, bool] | None, num_stages: int | None,
+                          consts: dict) -> None:
+    """`decode_attention` over an FP8 cache: checks its layout and launches
+    `_decode_attn_fp8_kernel` into `out` (the output, or split-K's partial sums with `m` and
+    `l_sum`). `consts`: the launch's constants, completed here (GP, num_stages)."""
+    b, _, d = q.shape
+    nkv, block_l, g = k_cache.shape[1], consts["BLOCK_L"], consts["G"]
+    length = k_cache.shape[2]
+    if length % block_l or v_cache.shape[2:] != (d, length):
+        raise ValueError(f"decode_attention: an FP8 cache needs V as (rows, kv heads, {d}, "
+                         f"L) and L a multiple of block_l {block_l}; got K "
+                         f"{tuple(k_cache.shape)}, V {tuple(v_cache.shape)}")
+    qk8, pv8 = fp8_mma if fp8_mma is not None else (fp8_mma_supported(q.device),) * 2
+    pv8 = pv8 and block_l >= 32             # an e4m3 MMA reduces over 32 at a time
+    # The query heads of a KV head are the MMA's N side here, 2 of them for Qwen3: 8 is the
+    # narrowest that Hopper's MMA takes (16 before: 143 -> 140 us at 256 x 1,024, 46 -> 44
+    # at 64 x 1,024, H200, 3 stages); ROCm's kernels keep 16.
+    consts["GP"] = max(16 if torch.version.hip else 8, _next_pow2(g))
+    if num_stages is None:
+        consts["num_stages"] = fp8_attention_stages(b * nkv, splits, q.device)
+    _decode_attn_fp8_kernel[(b, nkv, splits)](
+        q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_exp, v_exp,
+        out, m, l_sum, start, pos, sm_scale, k_cache.stride(0),
+        k_cache.stride(1), v_cache.stride(2), k_exp.stride(0), k_exp.stride(1), S=splits,
+        QK8=qk8, PV8=pv8, EXACT=_INTERPRETED, MASK16=FP8_MASKED_TAIL, **consts)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      start: torch.Tensor, pos: torch.Tensor, sm_scale: float,
                      impl: str = "torch", block_l: int = 64, k_exp: torch.Tensor | None = None,
@@ -867,24 +898,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         l_sum = torch.empty_like(m)
         acc = torch.empty(b, nh, splits, d, dtype=torch.float32, device=q.device)
     if k_exp is not None:
-        length = k_cache.shape[2]
-        if length % block_l or v_cache.shape[2:] != (d, length):
-            raise ValueError(f"decode_attention: an FP8 cache needs V as (rows, kv heads, {d}, "
-                             f"L) and L a multiple of block_l {block_l}; got K "
-                             f"{tuple(k_cache.shape)}, V {tuple(v_cache.shape)}")
-        qk8, pv8 = fp8_mma if fp8_mma is not None else (fp8_mma_supported(q.device),) * 2
-        pv8 = pv8 and block_l >= 32             # an e4m3 MMA reduces over 32 at a time
-        # The query heads of a KV head are the MMA's N side here, 2 of them for Qwen3: 8 is the
-        # narrowest that Hopper's MMA takes (16 before: 143 -> 140 us at 256 x 1,024, 46 -> 44
-        # at 64 x 1,024, H200, 3 stages); ROCm's kernels keep 16.
-        consts["GP"] = max(16 if torch.version.hip else 8, _next_pow2(g))
-        if num_stages is None:
-            consts["num_stages"] = fp8_attention_stages(b * nkv, splits, q.device)
-        _decode_attn_fp8_kernel[(b, nkv, splits)](
-            q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_exp, v_exp,
-            out if splits == 1 else acc, m, l_sum, start, pos, sm_scale, k_cache.stride(0),
-            k_cache.stride(1), v_cache.stride(2), k_exp.stride(0), k_exp.stride(1), S=splits,
-            QK8=qk8, PV8=pv8, EXACT=_INTERPRETED, MASK16=FP8_MASKED_TAIL, **consts)
+        _launch_fp8_attention(q, k_cache, v_cache, k_exp, v_exp, out if splits == 1 else acc,
+                              m, l_sum, start, pos, sm_scale, splits, fp8_mma, num_stages,
+                              consts)
     elif splits == 1:
         _decode_attn_kernel[(b, nkv)](q, k_cache, v_cache, out, sc, start, pos, sm_scale,
                                       k_cache.stride(0), k_cache.stride(1), m_pad, QUANT=fused,
