@@ -43,4 +43,10 @@ node_gpus() {
 }
 
 # True when the pid in file $1 names a live process.
-pid_alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# A SIGKILLed daemon stays a zombie until its parent (here pid 1) reaps it, and `kill -0` still
+# succeeds on a zombie: it counts as dead (a lost node is started again at once).
+pid_alive() {
+  [[ -s $1 ]] || return 1
+  local pid; pid=$(cat "$1")
+  kill -0 "$pid" 2>/dev/null && ! grep -q '^State:[[:space:]]*Z' "/proc/$pid/status" 2>/dev/null
+}
