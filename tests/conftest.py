@@ -12,6 +12,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR",
                       os.path.join(os.path.dirname(os.path.dirname(__file__)), ".cache", "torch_extensions"))
 
 import json  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -54,3 +55,19 @@ def report():
             with open(path, "a") as f:
                 f.write(json.dumps({"test": name, **values}) + "\n")
     return write
+
+
+# One Ray for the whole session, in this process: every test that needs a local Ray asks for this
+# fixture (a second `ray.init` in the same process fails, and a Ray left running by one module
+# would break the next one's).
+@pytest.fixture(scope="session")
+def ray_local():
+    import ray
+
+    from rl.cluster.groups import ROLLOUT_NODE, TRAINER_NODE
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    root = Path(__file__).resolve().parents[1]
+    ray.init(num_cpus=4, resources={TRAINER_NODE: 1, ROLLOUT_NODE: 1}, include_dashboard=False,
+             _temp_dir="/tmp/rl-ray-tests", runtime_env={"env_vars": {"PYTHONPATH": str(root)}})
+    yield
+    ray.shutdown()

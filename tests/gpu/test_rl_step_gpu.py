@@ -47,7 +47,7 @@ def test_train_on_gpu0_sync_generate_on_gpu1(tmp_path, report):
         stats = rt.trainer.train(batch, 0).metrics
         assert all(math.isfinite(v) for v in stats.values()), stats
         engine_before = rt.rollout.score(P, R)[0]
-        sync = rt.sync(1)
+        sync = rt.weight_sync.update(1)
         assert rt.rollout.versions() == [1]
         engine_after = rt.rollout.score(P, R)[0]
         trainer_after = rt.trainer.score(P, R)

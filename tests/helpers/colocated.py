@@ -43,11 +43,11 @@ def one_step_on_one_device(tmp_path, device: str, backend: str, dtype: str,
         stats = rt.trainer.train(batch, 0).metrics
         assert all(math.isfinite(v) for v in stats.values()), stats
         engine_before = rt.rollout.score(P, R)[0]
-        sync = rt.sync(1)
+        sync = rt.weight_sync.update(1)
         versions = rt.rollout.versions()
         engine_after = rt.rollout.score(P, R)[0]
         trainer_after = rt.trainer.score(P, R)
-        sync2 = rt.sync(2)  # again: the staging slots are reused, the versions move on
+        sync2 = rt.weight_sync.update(2)  # again: the staging slots are reused, the versions move on
         again = [s for g in rt.rollout.generate(prompts, sp, seed=1) for s in g]
 
         def gap(a, b):

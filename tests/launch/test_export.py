@@ -19,7 +19,6 @@ from rl.models.loading import resolve_model_dir
 from rl.trainer.batch import TrainBatch
 from rl.trainer.worker import RankInfo, TrainerWorker
 from tests.helpers.batches import random_batch
-from tests.rl.loop.conftest import ray_local  # noqa: F401 - the session fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,12 +12,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_hangup_requests_a_stop():
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a terminal, even if pytest runs nohup
     stop = StopRequest().install()
     try:
         os.kill(os.getpid(), signal.SIGHUP)
         assert stop.requested and stop.signal_name == "SIGHUP"
     finally:
         stop.uninstall()
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_a_hangup_ignored_at_start_stays_ignored():

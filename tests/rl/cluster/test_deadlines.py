@@ -28,16 +28,10 @@ def procs():
 
 
 @pytest.fixture(scope="module")
-def ray_actors():
-    import os
+def ray_actors(ray_local):
     ray = pytest.importorskip("ray")
-    from pathlib import Path
 
     from rl.cluster.actors import RayActor
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    root = Path(__file__).resolve().parents[3]
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir="/tmp/rl-ray-deadlines",
-             runtime_env={"env_vars": {"PYTHONPATH": str(root)}})
     started = []
 
     def start(*die: bool):
@@ -49,7 +43,6 @@ def ray_actors():
     yield start
     for a in started:
         a.kill()
-    ray.shutdown()
 
 
 @pytest.fixture(params=["proc", "ray"])

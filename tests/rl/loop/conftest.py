@@ -27,18 +27,6 @@ COMPARED = ("reward/mean", "reward/std", "train/loss", "train/kl", "train/grad_n
             "train/tis_ratio_mean", "rollout/response_length", "eval/pass1")
 
 
-@pytest.fixture(scope="session")
-def ray_local():
-    import ray
-
-    from rl.cluster.groups import ROLLOUT_NODE, TRAINER_NODE
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, resources={TRAINER_NODE: 1, ROLLOUT_NODE: 1}, include_dashboard=False,
-             _temp_dir="/tmp/rl-ray-tests", runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    yield
-    ray.shutdown()
-
-
 def make_cfg(out_dir: Path, name: str, *extra: str):
     from rl.config import load_config
     return load_config(ROOT / "configs" / "local.yaml",

@@ -6,6 +6,7 @@ import fcntl
 import os
 import pty
 import select
+import signal
 import subprocess
 import termios
 import threading
@@ -22,6 +23,7 @@ def _controlling_terminal() -> None:
     """In the child: a new session whose controlling terminal is stdin (the pty's slave)."""
     os.setsid()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a terminal's session, even if pytest runs nohup
 
 
 def test_hangup_checkpoints_and_exits_resumable(tmp_path):

@@ -112,7 +112,7 @@ def test_bf16_deepspeed_step_then_sync_into_the_hf_engine(v4_dir):
         assert stats["train/grad_norm"] > 0
         trainer_after = rt.trainer.score(P, R)
         engine_before = rt.rollout.score(P, R)[0]
-        rt.sync(1)
+        rt.weight_sync.update(1)
         assert rt.rollout.versions() == [1]
         engine_after = rt.rollout.score(P, R)[0]
 
