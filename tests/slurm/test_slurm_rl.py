@@ -180,8 +180,10 @@ def interrupt(run_dir: Path, job_id: str, out: Path, record: dict,
         wait_until(lambda: _still_running(job_id) and life_steps(job_output(run_dir), 2),
                    RUN_TIMEOUT_S, "a trained step after the second resume", poll_s=0.5)
         before = _failures(run_dir)
-        record["trainer_killed_at_step"] = len(read_jsonl(run_dir / "metrics.jsonl"))
         record["trainer_killed"] = kill_trainer_mid_step(job_id)
+        # the steps logged when the kill landed (not before: finding a trainer in train_step may
+        # take a step or two), so the resume's checkpoint is at most this step
+        record["trainer_killed_at_step"] = len(read_jsonl(run_dir / "metrics.jsonl"))
         wait_until(lambda: _failures(run_dir) > before, 600, "the killed trainer's failure",
                    poll_s=0.5)
         # Node n2 lost, once the reference (which also runs on n2) is done.
