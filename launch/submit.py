@@ -200,7 +200,7 @@ def run_checks(cfg, args) -> Preflight:
     check_placement_or_exit(cfg)
     done.ran += ["Slurm options", "expert parallelism", "placement and sync backend"]
     if trackers:
-        done.ran.append(f"{trackers} package")
+        done.ran.append(f"tracker packages ({trackers})")
     if args.no_resume:
         done.skipped.append(("resume", "--no-resume: the old run directory is moved aside"))
     else:
