@@ -119,8 +119,10 @@ def run(cfg: Config, *, resume: bool = True, force: bool = False,
         stop: StopRequest | None = None, restart: RestartInfo = RestartInfo()) -> RunResult:
     """`restart`: how this life began (the launcher reads the scheduler's environment)."""
     from rl.cluster.placement import choose_placement, sync_backend
+    from rl.metrics.tracking import check_packages
     from rl.sft import warm_start_dir
     sync_backend(cfg, choose_placement(cfg))  # ConfigError now, not after the warm start
+    check_packages(cfg.logging)  # W&B / MLflow importable here (the job's nodes) too
     private_files.run_dir(cfg.run_dir)  # 0700; ConfigError when another user owns it
     setup_logging(cfg.run_dir)
     check_and_save_config(cfg, resume, force)
@@ -132,7 +134,7 @@ def run(cfg: Config, *, resume: bool = True, force: bool = False,
         result = r.train()
         failed = False
     finally:
-        r.close(failed)
+        r.close(failed, status=None if failed else result.status)
     if result.status == "done" and cfg.checkpoint.export_final:
         from rl.export import export_final  # after close: the workers' memory is free again
         try:
@@ -422,8 +424,9 @@ class Run:
         batch.indices = [batch.indices[i] for i in keep]
         return batch if keep else self.pipeline.generate_now(step)
 
-    def close(self, failed: bool = False) -> None:
-        """`failed`: the run ends with an error; its workers are killed, not asked to stop."""
-        self.recorder.close()
+    def close(self, failed: bool = False, status: RunStatus | None = None) -> None:
+        """`failed`: the run ends with an error; its workers are killed, not asked to stop.
+        `status`: how it ended otherwise (the trackers record it)."""
+        self.recorder.close("failed" if failed else status or "done")
         self.rewards.close()
         self.runtime.shutdown(failed)

@@ -12,15 +12,15 @@ from rl.config.loader import MOVED_KEYS, load_config, parse_override, save_confi
 from rl.config.schema import (MODEL_PRESETS, THINK_END, AlgorithmConfig, CheckpointConfig,
                               ClusterConfig, Config, ConfigError, DataConfig, DeadlinesConfig,
                               DeepSeekV4PromptConfig, EvalConfig, FieldError, LoggingConfig,
-                              ModelConfig, NetworkConfig, PlanConfig, RewardConfig,
+                              MlflowConfig, ModelConfig, NetworkConfig, PlanConfig, RewardConfig,
                               RewardSandboxConfig, RolloutConfig, SftConfig, SlurmGroupConfig,
-                              SyncConfig, SyntheticConfig, TrainerConfig, to_dict)
+                              SyncConfig, SyntheticConfig, TrainerConfig, WandbConfig, to_dict)
 
 __all__ = [
     "MOVED_KEYS", "load_config", "parse_override", "save_config",
     "MODEL_PRESETS", "THINK_END", "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "Config",
     "ConfigError", "DataConfig", "DeadlinesConfig", "DeepSeekV4PromptConfig", "EvalConfig",
-    "FieldError", "LoggingConfig", "ModelConfig", "NetworkConfig", "PlanConfig", "RewardConfig",
+    "FieldError", "LoggingConfig", "MlflowConfig", "ModelConfig", "NetworkConfig", "PlanConfig", "RewardConfig",
     "RewardSandboxConfig", "RolloutConfig", "SftConfig", "SlurmGroupConfig", "SyncConfig",
-    "SyntheticConfig", "TrainerConfig", "to_dict",
+    "SyntheticConfig", "TrainerConfig", "WandbConfig", "to_dict",
 ]

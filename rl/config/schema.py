@@ -580,6 +580,51 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class WandbConfig:
+    """Weights & Biases: the run's scalars (TensorBoard's tags at TensorBoard's steps) and its
+    resolved config, logged by the driver only (`rl.metrics.wandb_sink`)."""
+    enabled: bool = False
+    """Log to W&B; needs the `wandb` extra (`pip install -e '.[wandb]'`), checked at submit."""
+    project: str = "slurm-rl"
+    """The W&B project."""
+    entity: str | None = None
+    """The W&B entity (user or team); null = the logged-in user's default."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """`online`: stream to the server (needs `wandb login` or WANDB_API_KEY); `offline`: write
+    RUN_DIR/wandb/offline-run-* only, no network (upload later with `wandb sync`); `disabled`:
+    log nothing, as `enabled: false`."""
+    name: str | None = None
+    """The W&B run's display name; null = the run's `name`."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the W&B run."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.project.strip()), "project", self.project, "a non-empty project name")
+
+
+@dataclass(kw_only=True, slots=True)
+class MlflowConfig:
+    """MLflow: the run's scalars (TensorBoard's tags at TensorBoard's steps) and its resolved
+    config as params, logged by the driver only (`rl.metrics.mlflow_sink`)."""
+    enabled: bool = False
+    """Log to MLflow; needs the `mlflow` extra (`pip install -e '.[mlflow]'`), checked at
+    submit."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI (`http://host:5000`, `databricks`, `sqlite:///path.db`, `file:/dir`);
+    null = a file store in RUN_DIR/mlruns (no server, no network: `mlflow ui
+    --backend-store-uri RUN_DIR/mlruns`)."""
+    experiment: str | None = None
+    """The MLflow experiment (created if missing); null = the run's `name`."""
+    run_name: str | None = None
+    """The MLflow run's name; null = the run's `name`."""
+
+    def __post_init__(self) -> None:
+        for name in ("tracking_uri", "experiment", "run_name"):
+            value = getattr(self, name)
+            _check(value is None or bool(value.strip()), name, value, "null or a non-empty string")
+
+
+@dataclass(kw_only=True, slots=True)
 class LoggingConfig:
     tensorboard: bool = True
     """Write the scalar metrics to RUN_DIR/tensorboard."""
@@ -596,6 +641,10 @@ class LoggingConfig:
     """Print everything the job's libraries write (vLLM, Ray workers, DeepSpeed, transformers,
     warnings) on the console. Off: the console shows the step lines, progress, the summary and
     errors, and the rest goes to RUN_DIR/logs/job.log."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases: the same scalars as TensorBoard, and the config (off by default)."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """MLflow: the same scalars as TensorBoard, and the config as params (off by default)."""
 
     def __post_init__(self) -> None:
         _positive(self, "print_every")
@@ -883,7 +932,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints, retention and fault limits."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    """TensorBoard, the HDF5 trajectory log and the step line."""
+    """TensorBoard, the HDF5 trajectory log, the step line, W&B and MLflow."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Where the run goes: this machine or a Slurm job."""
     sft: SftConfig = field(default_factory=SftConfig)

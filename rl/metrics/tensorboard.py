@@ -183,14 +183,22 @@ class MetricsLogger:
         self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step,
                                      flush_secs=30)
 
+    def numbers(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """`metrics` as floats, every tag checked against METRIC_TAGS (ValueError on a bad tag or
+        a value that is not a number), whether or not TensorBoard is enabled: what
+        `rl.metrics.sinks.MetricFanOut` hands every sink."""
+        out = {}
+        for tag, value in metrics.items():
+            self._check_tag(tag)
+            out[tag] = _to_float(tag, value)
+        return out
+
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Write `metrics` (tag -> number) at `step`. Non-finite values are written as they are
         (a NaN on the curve is the signal) but logged as a warning."""
         if self._writer is None:
             return
-        for tag, value in metrics.items():
-            self._check_tag(tag)
-            number = _to_float(tag, value)
+        for tag, number in self.numbers(metrics).items():
             if not math.isfinite(number):
                 log.warning("metric %s is %s at step %d", tag, number, step)
             self._writer.add_scalar(tag, number, global_step=step)
