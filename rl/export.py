@@ -96,22 +96,10 @@ def find_checkpoint(run_dir: Path, step: int | None = None, verify: bool = True
 
 def run_model_dir(run_dir: Path) -> Path | None:
     """The model directory the run started from (its config and tokenizer), from
-    RUN_DIR/config.yaml; relative paths tried from here, then from each directory above
-    RUN_DIR. None when config.yaml is missing or names nothing that exists."""
-    saved = Path(run_dir) / "config.yaml"
-    if not saved.is_file():
-        return None
-    import yaml
-
-    from rl.sft import run_model_dir as from_config
-    try:
-        path = from_config(yaml.safe_load(saved.read_text()))
-    except (yaml.YAMLError, KeyError, TypeError, AttributeError):
-        return None
-    for base in ([Path()] if path.is_absolute() else [Path.cwd(), *Path(run_dir).resolve().parents]):
-        if (base / path / "config.json").is_file():
-            return base / path
-    return None
+    RUN_DIR/config.yaml (`rl.sft.find_run_model_dir`): the first candidate that holds a
+    config.json, None when config.yaml is missing or names nothing that exists."""
+    from rl.sft import find_run_model_dir
+    return find_run_model_dir(run_dir, holds="config.json")[1]
 
 
 # ---- the trainer's tensors -------------------------------------------------------------------
