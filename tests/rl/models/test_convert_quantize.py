@@ -15,8 +15,8 @@ from rl.models.convert.quantize import (
 )
 from rl.models.convert.source import dequantize, unpack_fp4
 
-E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
-E4M3_CODES = [c for c in range(256) if math.isfinite(E4M3[c])]
+# the 127 finite non-negative e4m3 values, byte 0x00 to 0x7E: increasing with the byte
+E4M3_POS = torch.arange(127, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
@@ -28,17 +28,14 @@ def ref_scale(amax: float, qmax: float, floor: float) -> float:
 
 
 def ref_e4m3(v: torch.Tensor) -> torch.Tensor:
-    """The nearest finite e4m3 value of each v (fp64, |v| <= 448): the closest of all 254, a tie
-    to the even code, a zero with v's sign."""
-    codes = torch.tensor(E4M3_CODES)
-    values = E4M3[codes].double()
-    dist = (values[None, :] - v[:, None]).abs()
-    best = dist == dist.min(dim=1, keepdim=True).values
-    even = best & (codes % 2 == 0)[None, :]
-    best = torch.where(even.any(dim=1, keepdim=True), even, best)
-    signed = best & (torch.signbit(values)[None, :] == torch.signbit(v)[:, None])
-    best = torch.where(signed.any(dim=1, keepdim=True), signed, best)
-    return values[best.int().argmax(dim=1)]
+    """The nearest finite e4m3 value of each v (fp64, |v| <= 448): of the two values around |v|
+    the closer one, a tie to the even byte; v's sign."""
+    a = v.abs()
+    hi = torch.searchsorted(E4M3_POS, a).clamp(max=126)
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = a - E4M3_POS[lo], E4M3_POS[hi] - a
+    pick = torch.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
+    return torch.copysign(E4M3_POS[pick], v)
 
 
 def ref_e2m1(v: float) -> float:
