@@ -4,7 +4,9 @@
 Reads one checkpoint (`rl.checkpoint` layout) offline, in one CPU process, and writes the actor in
 the checkpoint names `rl.models.name_maps.to_engine_weights` gives (what `presets.save_model`
 writes, what transformers and vLLM load), sharded safetensors with `model.safetensors.index.json`,
-plus the run's model directory's config, tokenizer and generation config.
+plus the run's model directory's config, tokenizer and generation config. The `deepseek-v4`
+format (`rl.export_deepseek`) reads the same tensor stream (`model_tensors`) and writes it in
+DeepSeek's published FP8/FP4 layout.
 
 Where the tensors come from (`trainer_tensors`, in HF in-memory names):
   * ZeRO 0-2: rank 0's `mp_rank_00_model_states.pt` holds the whole module in the training dtype
