@@ -57,25 +57,12 @@ def _load_tokenizer(path: Path | None) -> Any | None:
 def run_tokenizer_dir(run_dir: Path) -> Path | None:
     """The model directory the run started from (holding its tokenizer), or None.
 
-    Found from RUN_DIR/config.yaml (`rl.sft.run_model_dir`). Its paths are relative to where the
-    run was started: tried from the current directory, then from each directory above RUN_DIR.
+    Found from RUN_DIR/config.yaml (`rl.sft.find_run_model_dir`); when no candidate directory
+    exists, the path as named (`_load_tokenizer` then says it found no tokenizer there).
     """
-    saved = run_dir / "config.yaml"
-    if not saved.is_file():
-        return None
-    import yaml
-
-    from rl.sft import run_model_dir
-    try:
-        path = run_model_dir(yaml.safe_load(saved.read_text()))
-    except (yaml.YAMLError, KeyError, TypeError, AttributeError):
-        return None
-    if path.is_absolute():
-        return path
-    for base in (Path.cwd(), *run_dir.resolve().parents):
-        if (base / path).is_dir():
-            return base / path
-    return path  # not found: _load_tokenizer says so
+    from rl.sft import find_run_model_dir
+    named, found = find_run_model_dir(run_dir)
+    return found or named
 
 
 def _text(tokenizer: Any | None, ids: Any) -> str:

@@ -70,6 +70,28 @@ def run_model_dir(config: dict) -> Path:
     return DEFAULT_CACHE_ROOT / preset_dir_name(model["preset"], model["seed"])
 
 
+def find_run_model_dir(run_dir: Path, holds: str = "") -> tuple[Path | None, Path | None]:
+    """(named, found): the model directory RUN_DIR/config.yaml names (`run_model_dir`; None
+    when config.yaml is missing or unreadable) and where it is. A relative path is relative to
+    the directory the run was started from: tried from the current directory, then from each
+    directory above RUN_DIR. `found` is the first candidate that exists (and holds the file
+    `holds`, when given), None when there is none."""
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.is_file():
+        return None, None
+    import yaml
+    try:
+        named = run_model_dir(yaml.safe_load(saved.read_text()))
+    except (yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return None, None
+    bases = [Path()] if named.is_absolute() else [Path.cwd(), *Path(run_dir).resolve().parents]
+    for base in bases:
+        candidate = base / named
+        if (candidate / holds).is_file() if holds else candidate.is_dir():
+            return named, candidate
+    return named, None
+
+
 def warm_start_dir(cfg: Config) -> Path:
     """The model directory RL starts from (the SFT result when `model.warm_start`)."""
     if not cfg.model.warm_start:
