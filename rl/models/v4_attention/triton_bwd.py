@@ -93,6 +93,10 @@ def _v4_attn_bwd(q_ptr, o_ptr, do_ptr, kv_ptr, comp_ptr, topk_ptr, thr_ptr, vali
     tl.store(dq_ptr + o_row + offs_dv[None, :], dq.to(dq_ptr.dtype.element_ty), mask=h_ok)
 
 
+class NoTileFits(RuntimeError):
+    """No tile config of the backward fits the device (shared memory)."""
+
+
 TILES_ENV = "RL_V4_ATTENTION_BWD_TILES"
 """`BLOCK_N,DV,num_warps,num_stages` pins the backward's tiles (skips the timing below)."""
 CANDIDATES = [(32, 128, 8, 2), (32, 256, 8, 1), (64, 128, 8, 1), (16, 256, 8, 1)]
@@ -167,7 +171,7 @@ def _tiles(key, launch) -> tuple[int, int, int, int]:
         except triton.runtime.errors.OutOfResources:
             continue
     if not times:
-        raise RuntimeError(f"no Triton backward tile config fits head_dim {D}")
+        raise NoTileFits(f"no Triton backward tile config fits head_dim {D} in {key[2]}")
     TUNED[key] = min(times, key=times.get)
     return TUNED[key]
 
