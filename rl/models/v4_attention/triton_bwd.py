@@ -99,12 +99,18 @@ class NoTileFits(RuntimeError):
 
 TILES_ENV = "RL_V4_ATTENTION_BWD_TILES"
 """`BLOCK_N,DV,num_warps,num_stages` pins the backward's tiles (skips the timing below)."""
-CANDIDATES = [(32, 128, 8, 2), (32, 256, 8, 1), (64, 128, 8, 1), (16, 256, 8, 1)]
-"""Tiles timed on the first backward of a (head_dim, heads, dtype) on a GPU; the fastest stays."""
+CANDIDATES = [(16, 256, 8, 1), (32, 256, 8, 1), (32, 128, 8, 1), (32, 128, 8, 2)]
+"""(BLOCK_N, DV, num_warps, num_stages) timed on the first backward of a (head_dim, heads, dtype)
+on a GPU; the fastest stays. Larger DV: fewer programs recompute s and dO.v; larger BLOCK_N:
+larger MMAs; both cost shared memory (q and dO, (heads x D) each, stay resident)."""
 FALLBACK = [(16, 128, 8, 1), (16, 64, 4, 1)]
 """Tried in order only if no candidate fits the device's shared memory."""
 TUNED: dict[tuple, tuple[int, int, int, int]] = {}
 """(head_dim, padded heads, dtype) -> the tiles in use; benchmarks report it."""
+TIMINGS: dict[tuple, dict[tuple, float]] = {}
+"""(head_dim, padded heads, dtype) -> {tiles: ms} of the candidates that fit, when timed."""
+_TOO_BIG = tuple(getattr(triton.runtime.errors, n) for n in ("OutOfResources", "PTXASError")
+                 if hasattr(triton.runtime.errors, n))
 
 
 def v4_attention_bwd(grad_BHSD, q_BHSD, kv_BSD, comp_BTD, topk_BSK, thr_BS, valid_BS, sinks_H,
@@ -162,17 +168,17 @@ def _tiles(key, launch) -> tuple[int, int, int, int]:
         TUNED[key] = (16, min(D, 64), 4, 1)
         return TUNED[key]
     from triton.testing import do_bench
-    times = {}
+    times: dict[tuple[int, int, int, int], float] = {}
     for config in fits:
         if config in FALLBACK and times:
             break
         try:
             times[config] = do_bench(lambda c=config: launch(c), warmup=5, rep=20)
-        except triton.runtime.errors.OutOfResources:
+        except _TOO_BIG:
             continue
     if not times:
         raise NoTileFits(f"no Triton backward tile config fits head_dim {D} in {key[2]}")
-    TUNED[key] = min(times, key=times.get)
+    TUNED[key], TIMINGS[key] = min(times, key=lambda c: times[c]), times
     return TUNED[key]
 
 
