@@ -13,6 +13,7 @@ gradients and recompute the full-D s and dO.v. Nothing of size (heads x S x keys
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -40,11 +41,13 @@ def _tile(q, do, qv, dov, rows, drows, ok, offs_d, offs_dv, lse, delta, dq, scal
 @triton.jit
 def _v4_attn_bwd(q_ptr, o_ptr, do_ptr, kv_ptr, comp_ptr, topk_ptr, thr_ptr, valid_ptr,
                  sinks_ptr, lse_ptr, dq_ptr, dkv_ptr, dcomp_ptr, dsink_ptr,
-                 S, T, H, K, window, scale, sq_b, sq_h, sq_s, so_b, so_h, so_s,
+                 S, T, H, K, window, scale, t_stride, sq_b, sq_h, sq_s, so_b, so_h, so_s,
                  MODE: tl.constexpr, HAS_VALID: tl.constexpr, D: tl.constexpr,
                  DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-    # o, do and dq share one layout (so_*); q has its own (sq_*).
-    t = tl.program_id(0)
+    # o, do and dq share one layout (so_*); q has its own (sq_*). Programs launched together
+    # take tokens t_stride (>= window, coprime with S) apart: their windows do not overlap, so
+    # their atomic adds into dkv do not queue on the same rows.
+    t = ((tl.program_id(0).to(tl.int64) * t_stride) % S).to(tl.int32)
     n_split: tl.constexpr = D // DV
     b = (tl.program_id(1) // n_split).to(tl.int64)
     dv0 = (tl.program_id(1) % n_split) * DV
@@ -136,7 +139,7 @@ def v4_attention_bwd(grad_BHSD, q_BHSD, kv_BSD, comp_BTD, topk_BSK, thr_BS, vali
     dsink = torch.empty(B, S, H, dtype=torch.float32, device=kv.device)
     args = (q, out, grad, kv, comp, topk, thr, valid, sinks_H.float().contiguous(),
             lse_BSH.contiguous(), dq, dkv, dcomp, dsink, S, T, H,
-            topk.shape[-1] if mode == 1 else 0, window, scale,
+            topk.shape[-1] if mode == 1 else 0, window, scale, _coprime_stride(window, S),
             q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2))
     meta = dict(MODE=mode, HAS_VALID=valid_BS is not None, D=D,
                 BLOCK_H=max(16, triton.next_power_of_2(H)))
@@ -151,6 +154,13 @@ def v4_attention_bwd(grad_BHSD, q_BHSD, kv_BSD, comp_BTD, topk_BSK, thr_BS, vali
     launch(tiles or _tiles((D, meta["BLOCK_H"], q.dtype), launch))
     return (dq, dkv.to(kv_BSD.dtype), None if comp_BTD is None else dcomp.to(comp_BTD.dtype),
             dsink.sum((0, 1)).to(sinks_H.dtype))
+
+
+def _coprime_stride(window: int, S: int) -> int:
+    stride = max(window, 1)
+    while math.gcd(stride, S) != 1:
+        stride += 1
+    return stride
 
 
 def _tiles(key, launch) -> tuple[int, int, int, int]:
