@@ -47,7 +47,7 @@ def _v4_attn_bwd(q_ptr, o_ptr, do_ptr, kv_ptr, comp_ptr, topk_ptr, thr_ptr, vali
     # o, do and dq share one layout (so_*); q has its own (sq_*). Programs launched together
     # take tokens t_stride (>= window, coprime with S) apart: their windows do not overlap, so
     # their atomic adds into dkv do not queue on the same rows.
-    t = ((tl.program_id(0).to(tl.int64) * t_stride) % S).to(tl.int32)
+    t = (tl.program_id(0).to(tl.int64) * t_stride) % S  # int64: t * sq_s passes 2**31
     n_split: tl.constexpr = D // DV
     b = (tl.program_id(1) // n_split).to(tl.int64)
     dv0 = (tl.program_id(1) % n_split) * DV
