@@ -26,6 +26,8 @@
 #    gpu_learn_v4.{json,md}; V4_LEARN_ARGS adds overrides)
 #   (topology: issue 17's Slurm hetjob on GPU nodes, bench/topology_gpu.py; carry .whl, .ray
 #    (bench/ray_slim.sh) and .debs (slurm/testing/fetch_debs.sh))
+#   (v4attn_tests, v4attn_bench: v4attn's two halves, for one call each when both together
+#    could pass a call's 600 s)
 # Writes into $OUT (default bench/results): run.log, gpu_report.jsonl, <bench>.json / .md.
 # Each section has its own time limit, so one hang cannot eat the others. GPU tests run with
 # RL_GPU_STRICT=1 (a skipped GPU test fails: no missing dependency passes as green) and the
@@ -78,7 +80,7 @@ for s in $sections; do
         tests_sync_only) run tests_sync_only 240 python3 -m pytest -q -p no:cacheprovider \
             tests/gpu/test_sync_gpu.py ;;
         train) run train 75 python3 -m bench.train --out "$OUT" ;;
-        v4attn) run tests_v4attn 200 python3 -m pytest -q -p no:cacheprovider -s \
+        v4attn) run tests_v4attn 260 python3 -m pytest -q -p no:cacheprovider -s \
                     tests/gpu/test_v4_attention_gpu.py
                 run v4_attention 300 python3 -m bench.v4_attention --out "$OUT" ;;
         v4layer) run v4_layer 420 python3 -m bench.v4_layer --out "$OUT" ${V4_LAYER_ARGS:---profile} ;;
@@ -112,6 +114,9 @@ for s in $sections; do
                       rollout.engine=hf reward.function=exact \
                       ${V4_LEARN_ARGS:-} ;;
         topology) run topology 560 python3 -m bench.topology_gpu --out "$OUT" ;;
+        v4attn_tests) run tests_v4attn 560 python3 -m pytest -q -p no:cacheprovider -s \
+                          tests/gpu/test_v4_attention_gpu.py ;;
+        v4attn_bench) run v4_attention 560 python3 -m bench.v4_attention --out "$OUT" ;;
         r3) run routing_replay 240 python3 -m bench.routing_replay --out "$OUT" ;;
         tests_colocated) run tests_colocated 240 python3 -m pytest -q -p no:cacheprovider \
                              tests/gpu/test_colocated_gpu.py ;;
