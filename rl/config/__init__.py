@@ -11,7 +11,7 @@ them is `loader.py`. Import from here: `from rl.config import Config, load_confi
 from rl.config.loader import MOVED_KEYS, load_config, parse_override, save_config
 from rl.config.schema import (MODEL_PRESETS, THINK_END, AlgorithmConfig, CheckpointConfig,
                               ClusterConfig, Config, ConfigError, DataConfig, DeadlinesConfig,
-                              DeepSeekV4PromptConfig, EvalConfig, FieldError, LoggingConfig,
+                              DeepSeekV4PromptConfig, EnvConfig, EvalConfig, FieldError, LoggingConfig,
                               ModelConfig, NetworkConfig, PlanConfig, RewardConfig,
                               RewardSandboxConfig, RolloutConfig, SftConfig, SlurmGroupConfig,
                               SyncConfig, SyntheticConfig, TrainerConfig, to_dict)
@@ -19,7 +19,7 @@ from rl.config.schema import (MODEL_PRESETS, THINK_END, AlgorithmConfig, Checkpo
 __all__ = [
     "MOVED_KEYS", "load_config", "parse_override", "save_config",
     "MODEL_PRESETS", "THINK_END", "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "Config",
-    "ConfigError", "DataConfig", "DeadlinesConfig", "DeepSeekV4PromptConfig", "EvalConfig",
+    "ConfigError", "DataConfig", "DeadlinesConfig", "DeepSeekV4PromptConfig", "EnvConfig", "EvalConfig",
     "FieldError", "LoggingConfig", "ModelConfig", "NetworkConfig", "PlanConfig", "RewardConfig",
     "RewardSandboxConfig", "RolloutConfig", "SftConfig", "SlurmGroupConfig", "SyncConfig",
     "SyntheticConfig", "TrainerConfig", "to_dict",
