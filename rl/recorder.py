@@ -86,7 +86,8 @@ class Recorder:
                 old_logprobs=old_logprobs, version_spans=[s.spans() for s in samples],
                 staleness=lags,
                 routing=[s.routing for s in samples] if self.cfg.logging.save_routing
-                and all(s.routing is not None for s in samples) else None)
+                and all(s.routing is not None for s in samples) else None,
+                **_episode_columns(samples))
         last = step == self.cfg.num_steps
         if step % self.cfg.logging.print_every == 0 or last or "eval/pass1" in metrics:
             say(format_step(self.cfg, step, metrics))
@@ -94,6 +95,15 @@ class Recorder:
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def _episode_columns(samples) -> dict:
+    """The trajectory file's multi-turn columns of `samples` (none for single-turn ones)."""
+    if all(s.turns is None for s in samples):
+        return {}
+    return {"loss_mask": [s.loss_mask or [] for s in samples],
+            "episodes": [None if s.turns is None else {"turns": s.turns, "error": s.env_error}
+                         for s in samples]}
 
 
 def rollout_metrics(samples, parts, seconds: float, n_samples: int, failures: int) -> dict:
