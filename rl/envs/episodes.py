@@ -144,8 +144,8 @@ class EpisodeRunner:
             e.end(0.0, e.finish, str(value))
             return
         e.state, (observation, reward, done) = value
-        if done:
-            e.end(reward, "stop")
+        if done:  # the finish reason stays the last turn's ("length" when it was cut)
+            e.end(reward, e.finish)
             return
         obs_text = self.tool_format.observation_text(observation)
         obs = self.tokenizer(obs_text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]

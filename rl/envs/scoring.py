@@ -52,5 +52,4 @@ def episode_metrics(samples, prefix: str = "env/") -> dict[str, float]:
             f"{prefix}tool_calls_mean": statistics.fmean(calls) if calls else 0.0,
             f"{prefix}tool_call_rate": sum(c > 0 for c in calls) / n,
             f"{prefix}env_tokens_mean": statistics.fmean(env_tokens) if env_tokens else 0.0,
-            f"{prefix}cut_frac": sum(s.finish_reason == "length" and s.env_error is None
-                                     for s in samples) / n}
+            f"{prefix}cut_frac": sum(s.finish_reason == "length" for s in samples) / n}

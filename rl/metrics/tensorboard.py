@@ -108,8 +108,9 @@ METRIC_TAGS: dict[str, str] = {
                            "call.",
     "eval/env_tokens_mean": "Multi-turn: environment (tool-result) tokens per greedy eval "
                             "episode.",
-    "eval/cut_frac": "Multi-turn: fraction of greedy eval episodes cut at env.max_turns or "
-                     "env.max_response_tokens (reward 0).",
+    "eval/cut_frac": "Multi-turn: fraction of greedy eval episodes cut (finish reason 'length'): "
+                     "a turn at rollout.max_new_tokens, or the episode at env.max_turns or "
+                     "env.max_response_tokens.",
     "env/failures": "Multi-turn: training episodes whose environment raised, hung past "
                     "env.step_timeout_s, crashed its worker or returned garbage; each scored 0 "
                     "(cumulative count).",
@@ -119,8 +120,9 @@ METRIC_TAGS: dict[str, str] = {
                           "call.",
     "env/env_tokens_mean": "Multi-turn: environment (tool-result) tokens per episode: context, "
                            "masked out of the loss.",
-    "env/cut_frac": "Multi-turn: fraction of the step's episodes cut at env.max_turns or "
-                    "env.max_response_tokens (reward 0).",
+    "env/cut_frac": "Multi-turn: fraction of the step's episodes cut (finish reason 'length'): "
+                    "their last turn at rollout.max_new_tokens, or the episode at env.max_turns "
+                    "or env.max_response_tokens (reward 0).",
     "faults/rollout_restarts": "Rollout engines restarted after a failure (cumulative count).",
     "faults/skipped_steps": "Steps skipped for a non-finite loss or gradient (cumulative count).",
     "weights/version": "Weight version served by the rollout engines after this step's sync.",
