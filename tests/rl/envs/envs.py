@@ -53,3 +53,36 @@ class NotPicklable(CalcEnv):
     def __init__(self, row):
         super().__init__(row)
         self.f = lambda: None
+
+
+class Relay:
+    """Every episode takes two turns: turn 1 always gets the observation `ok` (a tool call or
+    not); turn 2 is rewarded like `tests.rl.loop.plugins:short_answer`. A turn-1 text `77`
+    raises, `88` returns garbage, `99` ends the worker's process, `66` hangs.
+    With RL_TEST_ENV_MARKER=PATH each turn-2 call appends a line to PATH; the call that makes it
+    RL_TEST_ENV_PAUSE_AT lines long sleeps 1.5 s (a window for a stop mid-step)."""
+
+    def __init__(self, row):
+        self.turn = 0
+
+    def step(self, message):
+        self.turn += 1
+        text = message.text.strip()
+        if self.turn == 1:
+            if text == "66":
+                time.sleep(3600)
+            if text == "77":
+                raise RuntimeError("environment failure on purpose")
+            if text == "88":
+                return "garbage"
+            if text == "99":
+                os._exit(3)
+            return StepResult(observation="ok")
+        marker = os.environ.get("RL_TEST_ENV_MARKER")
+        if marker:
+            with open(marker, "a") as f:
+                f.write("x\n")
+            with open(marker) as f:
+                if sum(1 for _ in f) == int(os.environ.get("RL_TEST_ENV_PAUSE_AT", "-1")):
+                    time.sleep(1.5)
+        return StepResult(reward=1.0 if 0 < len(text) <= 2 else 0.0, done=True)
