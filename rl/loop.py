@@ -24,6 +24,8 @@ from rl.checkpoint import Checkpointer
 from rl.config import Config
 from rl.console import say
 from rl.data.source import PromptSource
+from rl.envs.generator import MultiTurnGenerator, start_pool
+from rl.envs.scoring import EnvScorer, episode_metrics
 from rl.evaluate import Evaluator, mean_of_last_evals, read_metrics_jsonl
 from rl.faults import FaultInjector
 from rl.pipeline import RolloutBatch, RolloutPipeline, stale_groups, staleness
@@ -154,6 +156,10 @@ class Run:
     source: PromptSource
     """Train/eval prompts, encoded, and the seeded sampler."""
     rewards: RewardComputer
+    episodes: MultiTurnGenerator | None
+    """Multi-turn episodes against `env.path`'s environment (None: single-turn rollouts)."""
+    env_scorer: EnvScorer
+    """The episodes' rewards and the count of failed ones."""
     runtime: Runtime
     """The trainer ranks and rollout engines."""
     publisher: WeightPublisher
@@ -174,6 +180,8 @@ class Run:
         self.state = TrainState()
         self.source = PromptSource.from_model_dir(cfg, model_dir)
         self.rewards = RewardComputer(cfg.reward, protect=protected_paths(cfg))  # its workers
+        env_pool = start_pool(cfg)  # the environment's workers (ConfigError: cannot import it)
+        self.env_scorer = EnvScorer()
         self.recorder = Recorder(cfg)
         opt_steps = cfg.num_steps * cfg.trainer.ppo_epochs * cfg.trainer.num_mini_batches
         self.runtime = Runtime(cfg, str(model_dir), total_optimizer_steps=opt_steps)
@@ -181,16 +189,20 @@ class Run:
         self.restart = RestartInfo()
         self.publisher = WeightPublisher(cfg, self.runtime, self.source.probe(),
                                          lambda: self.state.step + 1, self.faults)
+        generator = Generator(self.runtime, self.publisher)
+        self.episodes = (None if env_pool is None else MultiTurnGenerator.from_config(
+            cfg, generator, self.source.tokenizer, env_pool))
         self.evaluator = Evaluator(cfg, self.source, self.runtime.rollout, self.publisher,
-                                   reward_pool=self.rewards.pool)
+                                   reward_pool=self.rewards.pool, episodes=self.episodes)
         self.pipeline = RolloutPipeline(
-            cfg, self.source, Generator(self.runtime, self.publisher),
+            cfg, self.source, self.episodes or generator,
             SamplingParams.from_rollout(cfg.rollout,
                                         return_routing=cfg.algorithm.routing_replay == "r3"),
             stop,
             checkpoint_seconds=lambda: self.checkpointer.last_seconds)
         self.checkpointer = Checkpointer(
-            cfg, self.runtime.trainer, [self.state, self.publisher, self.evaluator, self.rewards],
+            cfg, self.runtime.trainer,
+            [self.state, self.publisher, self.evaluator, self.rewards, self.env_scorer],
             self.source, self.pipeline, resume_hash(cfg), resume_hashes(cfg))
         self._busy_before = 0.0
 
@@ -270,7 +282,8 @@ class Run:
         """The step's rollout batch, scored; None when a stop abandoned the step (the prompt
         sampler and the counters are back where they were)."""
         cfg, state, stop, pipe = self.cfg, self.state, self.stop, self.pipeline
-        before = (self.source.state_dict(), self.rewards.failures, state.dropped_samples)
+        before = (self.source.state_dict(), self.rewards.failures, state.dropped_samples,
+                  self.env_scorer.failures)
         try:
             # 1. the step's rollout batch: generated ahead (max_staleness >= 1) or now; a dead
             #    engine is restarted, re-synced, and the generation retried
@@ -292,6 +305,7 @@ class Run:
             pipe.abandon()
             self.source.load_state_dict(before[0])
             self.rewards.failures, state.dropped_samples = before[1], before[2]
+            self.env_scorer.failures = before[3]
             return None
         return scored
 
@@ -301,8 +315,11 @@ class Run:
         lags = staleness(samples, self.publisher.weight_version)
         examples = [self.source.train[i] for i, g in zip(batch.indices, batch.groups)
                     for _ in g]
-        parts = self.rewards.score([s.text for s in samples], examples,
-                                   cancelled=lambda: self.stop.requested)
+        if self.episodes is not None:  # the environment rewarded its episodes
+            parts = self.env_scorer.score(samples)
+        else:
+            parts = self.rewards.score([s.text for s in samples], examples,
+                                       cancelled=lambda: self.stop.requested)
         rewards_G = torch.tensor(parts.total, dtype=torch.float32).view(len(batch.groups), -1)
         adv = grpo_advantages(rewards_G, self.cfg.algorithm.normalize_std).view(-1).tolist()
         return ScoredBatch(batch, samples, lags, parts, adv)
@@ -364,6 +381,9 @@ class Run:
         metrics.update(rollout_metrics(scored.samples, scored.parts, scored.batch.seconds,
                                        self.cfg.rollout.n_samples, self.rewards.failures))
         metrics.update(self._step_metrics(scored, sync_stats, seconds, busy))
+        if self.episodes is not None:
+            metrics.update(episode_metrics(scored.samples))
+            metrics["env/failures"] = float(self.env_scorer.failures)
         self._busy_before = busy
         self.recorder.histogram(step, "rollout/staleness", scored.lags)
         self.recorder.record(step, metrics, scored.batch, scored.parts, scored.adv,
@@ -429,4 +449,6 @@ class Run:
         `status`: how it ended otherwise (the trackers record it)."""
         self.recorder.close("failed" if failed else status or "done")
         self.rewards.close()
+        if self.episodes is not None:
+            self.episodes.close()
         self.runtime.shutdown(failed)

@@ -90,7 +90,8 @@ class Recorder:
                 old_logprobs=old_logprobs, version_spans=[s.spans() for s in samples],
                 staleness=lags,
                 routing=[s.routing for s in samples] if self.cfg.logging.save_routing
-                and all(s.routing is not None for s in samples) else None)
+                and all(s.routing is not None for s in samples) else None,
+                **_episode_columns(samples))
         last = step == self.cfg.num_steps
         if step % self.cfg.logging.print_every == 0 or last or "eval/pass1" in metrics:
             say(format_step(self.cfg, step, metrics))
@@ -99,6 +100,15 @@ class Recorder:
         """`outcome`: how this life ended (`rl.metrics.sinks.Outcome`), for the trackers."""
         if self.metrics is not None:
             self.metrics.close(outcome)
+
+
+def _episode_columns(samples) -> dict:
+    """The trajectory file's multi-turn columns of `samples` (none for single-turn ones)."""
+    if all(s.turns is None for s in samples):
+        return {}
+    return {"loss_mask": [s.loss_mask or [] for s in samples],
+            "episodes": [None if s.turns is None else {"turns": s.turns, "error": s.env_error}
+                         for s in samples]}
 
 
 def rollout_metrics(samples, parts, seconds: float, n_samples: int, failures: int) -> dict:

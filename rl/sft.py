@@ -32,7 +32,8 @@ _ABSENT = object()
 _ADDED_DATA_KEYS = {"prompt_format": "auto",
                     "deepseek_v4": {"thinking": True, "reasoning_effort": "high"}}
 # {sft key: its default}: likewise for SftConfig.
-_ADDED_SFT_KEYS = {"target_accuracy": None, "check_every": 10, "check_examples": 256}
+_ADDED_SFT_KEYS = {"target_accuracy": None, "check_every": 10, "check_examples": 256,
+                   "target_field": None}
 
 
 def _sft_dir(config: dict) -> Path:
@@ -112,9 +113,10 @@ def _cached_accuracy(out: Path) -> str:
 
 
 def _encode(tok, cfg: Config, examples) -> list[tuple[list[int], list[int]]]:
-    out = []
+    out, field = [], cfg.sft.target_field
     for ex in examples:
-        answer = tok(ex.answer, add_special_tokens=False)["input_ids"]
+        target = ex.meta.get(field, ex.answer) if field is not None else ex.answer
+        answer = tok(str(target), add_special_tokens=False)["input_ids"]
         out.append((encode_prompt(ex, tok, cfg.data), answer + [tok.eos_token_id]))
     return out
 

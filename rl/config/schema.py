@@ -266,6 +266,37 @@ class RewardConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class EnvConfig:
+    path: str | None = None
+    """A multi-turn, tool-using environment `package.module:Class` (docs/environments.md); its
+    reward replaces `reward.function` for training and evaluation. null = single-turn rollouts
+    scored by the reward function."""
+    max_turns: int = 4
+    """Model turns per episode (>= 1); an episode still asking for tools after the last one is
+    cut (reward 0, finish reason `length`)."""
+    max_response_tokens: int = 64
+    """Response budget of an episode, model and environment tokens together (each model turn
+    is also capped at rollout.max_new_tokens); <= rollout.max_model_len - 1."""
+    step_timeout_s: float = 10.0
+    """Time limit of one environment call (its `__init__` and `step`), seconds, > 0: past it
+    the worker is killed and replaced and the episode fails (reward 0, `env/failures`)."""
+    num_workers: int | Literal["auto"] = "auto"
+    """Environment worker processes; `auto`: half the CPUs this process may use, 1 to 8."""
+    tool_format: Literal["auto", "raw", "deepseek_v4"] = "auto"
+    """How tool calls are written and tool results shown (rl/envs/tools.py): `raw`
+    (`[NAME: ARGS]`, results `[result: TEXT]`), `deepseek_v4` (DeepSeek-V4's DSML tool calls and
+    `<tool_result>` blocks); `auto` follows data.prompt_format."""
+
+    def __post_init__(self) -> None:
+        _check(self.path is None or ":" in self.path, "path", self.path,
+               "null or a dotted path 'package.module:Class'")
+        _positive(self, "max_turns", "max_response_tokens", "step_timeout_s")
+        _check(self.num_workers == "auto" or (isinstance(self.num_workers, int)
+                                              and self.num_workers >= 1),
+               "num_workers", self.num_workers, "'auto' or a count >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     engine: Literal["vllm", "hf", "native"] = "vllm"
     """`vllm` (vLLM, weights reloaded in place), `hf` (transformers `generate`, the reference) or
@@ -826,6 +857,11 @@ class SftConfig:
     cache_dir: str = "checkpoints/sft"
     """Where warm starts are cached: one directory per model, data, seed and sft settings
     (cache_dir itself aside)."""
+    target_field: str | None = None
+    """A data field holding the text to imitate instead of the answer (e.g. a tool-use
+    transcript, `rl.envs.calc`; the tokenizer's EOS text inside it is the EOS token), used
+    where a row has it; null: always the answer. The warm start trains on all of it, tool
+    results included (RL masks those)."""
 
     def __post_init__(self) -> None:
         _positive(self, "steps", "batch_size", "lr", "check_every", "check_examples")
@@ -919,6 +955,8 @@ class Config:
     """Prompts and answers: synthetic arithmetic or your files."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """How responses are scored."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn, tool-using rollouts against an environment (off unless env.path is set)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The rollout engines and their sampling."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -958,6 +996,14 @@ class Config:
                f"raw or chat_template with a preset model ({self.model.preset}: its character "
                "tokenizer has no <｜User｜>, <｜Assistant｜>, <think> tokens); deepseek_v4 needs "
                "a DeepSeek-V4 checkpoint in model.path")
+        env = self.env
+        _check(env.path is None or env.max_response_tokens < self.rollout.max_model_len,
+               "env.max_response_tokens", env.max_response_tokens,
+               f"a value < rollout.max_model_len ({self.rollout.max_model_len})")
+        _check(env.path is None or self.algorithm.max_staleness == 0
+               or self.algorithm.partial_rollouts == "finish", "algorithm.partial_rollouts",
+               self.algorithm.partial_rollouts, "'finish' with env.path (multi-turn episodes are "
+               "not interrupted by a weight update)")
         if self.reward.answer_after == "auto":
             # Resolved here, where the prompt format is known: RewardComputer gets only
             # cfg.reward. A new object, so a RewardConfig given to two Configs resolves in each.

@@ -30,7 +30,8 @@ from rl.faults import TrainerFaults
 from rl.trainer import losses
 from rl.trainer.batch import TrainBatch, TrainStats
 from rl.trainer.checkpoint_io import RecordingCheckpointEngine, rank_files
-from rl.trainer.microbatch import Micro, micro_batches, pad_batch
+from rl.trainer.microbatch import (Micro, loss_count, micro_batches, micro_policy_loss,
+                                   pad_batch)
 from rl.trainer.weights import WeightSender
 
 
@@ -359,12 +360,8 @@ class TrainerWorker:
         else:  # logged only: no graph kept for it
             with torch.no_grad():
                 ent = losses.entropy_from_logits(logits.detach())
-        mask = mb.resp_mask[:, 1:].to(self.device)
-        rollout = mb.rollout_logp[:, 1:].to(self.device)
-        loss, st = losses.policy_loss(
-            logp, frozen.old, advantages[mb.index].to(self.device), mask, self.algo,
-            rollout_logp=rollout if self.algo.tis_cap is not None else None,
-            ref_logp=frozen.ref, entropy=ent, agg_denominator=denom)
+        loss, st = micro_policy_loss(logp, frozen.old, frozen.ref, ent,
+                                     advantages[mb.index].to(self.device), mb, self.algo, denom)
         return self.faults.poison(loss, self.rank, step), st
 
     def _step_if_finite(self, finite: bool) -> bool:
@@ -476,8 +473,7 @@ class TrainerWorker:
         for mb in group:
             if mb.weight == 0:
                 continue
-            mask = mb.resp_mask[:, 1:]
-            local += float(mask.sum()) if self.algo.loss_agg == "token" else float((mask.sum(1) > 0).sum())
+            local += loss_count(mb, self.algo.loss_agg)
         t = torch.tensor([local], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return max(float(t.item()), 1.0)
