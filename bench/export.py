@@ -12,9 +12,8 @@ run's config.yaml beside it (`save_config`). driver.pt holds a stand-in driver s
 weight version, no sampler or pending rollouts): the export never reads it.
 
 Then, each cold (the checkpoint's pages dropped from the page cache first, POSIX_FADV_DONTNEED),
-each in a child process of its own (peak RSS from `os.wait4`, i.e. that child's
-`getrusage(RUSAGE_CHILDREN).ru_maxrss`, plus its anonymous and file-backed RSS sampled from
-/proc every 20 ms):
+each in a child process of its own (`bench.measure_child`: its `getrusage(RUSAGE_CHILDREN).
+ru_maxrss`, plus its anonymous and file-backed RSS sampled from /proc every 20 ms):
 - plain copy: the checkpoint's files read and written (16 MiB blocks, fsync'ed), as far as the
   disk holds a second copy (a partial copy's time is scaled to the whole checkpoint);
 - `python -m launch.export RUN_DIR --format hf --out ...`, then `--format deepseek-v4` (FP4
@@ -50,7 +49,7 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
 
@@ -106,7 +105,7 @@ def choose_experts(args, free: int, gpu_bytes: int | None, smoke_fields: dict | 
         config = flash_config(**smoke_fields)
         return config, count_params(config), "smoke dims"
     choices = CANDIDATE_EXPERTS if args.experts == "auto" else (int(args.experts),)
-    tried = []
+    tried: list[str] = []
     for experts in choices:
         config = flash_config(experts)
         params = count_params(config)
@@ -211,9 +210,10 @@ def train_and_checkpoint(cfg, model_dir: Path, sample_path: Path, config) -> dic
         state = _DriverState()
         checkpointer = Checkpointer(cfg, group, [state], state, state, resume_hash(cfg))
         path = checkpointer.save()
-        seconds = checkpointer.last_seconds
+        seconds = checkpointer.last_seconds or 0.0  # set by every save
         n = actor.call("save_sample", str(sample_path), config.n_routed_experts).result(1800)
         say(f"checkpoint {path} in {seconds:.1f}s; a sample of {n} trainer tensors kept")
+        actor.call("shutdown").result(30)
     finally:
         actor.close()
     size = dir_bytes(path)
@@ -239,52 +239,29 @@ def drop_cache(path: Path) -> None:
                 os.close(fd)
 
 
-def _status_kib(pid: int) -> dict[str, int]:
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return {}
-    out = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key in ("RssAnon", "RssFile", "VmRSS"):
-            out[key] = int(value.split()[0])
-    return out
-
-
 def run_child(cmd: list[str], label: str) -> dict:
-    """Run `cmd` (cwd: the repository), echoing its output: wall seconds, exit status, peak RSS
-    (`os.wait4`: this child's ru_maxrss), peak anonymous and file-backed RSS (sampled)."""
+    """Run `cmd` (cwd: the repository) under `bench.measure_child`, echoing its output: exit
+    status, wall seconds, peak RSS (its ru_maxrss), peak anonymous and file-backed RSS."""
     say(f"{label}: {' '.join(cmd)}")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    peaks = {"RssAnon": 0, "RssFile": 0}
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            for k, v in _status_kib(proc.pid).items():
-                if k in peaks:
-                    peaks[k] = max(peaks[k], v)
-            done.wait(0.02)
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    tail: list[str] = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        print(f"  | {line}", end="", flush=True)
-        tail = (tail + [line.rstrip()])[-20:]
-    done.set()
-    sampler.join()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    seconds = time.perf_counter() - t0
-    say(f"{label}: exit {proc.returncode} in {seconds:.1f}s, peak RSS "
-        f"{usage.ru_maxrss / 2**20:.2f} GiB")
-    return {"rc": proc.returncode, "seconds": seconds, "peak_rss_GiB": usage.ru_maxrss / 2**20,
-            "peak_anon_GiB": peaks["RssAnon"] / 2**20, "peak_file_GiB": peaks["RssFile"] / 2**20,
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    with tempfile.TemporaryDirectory() as tmp:
+        record = Path(tmp) / "child.json"
+        proc = subprocess.Popen([sys.executable, "-m", "bench.measure_child", str(record), *cmd],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        tail: list[str] = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(f"  | {line}", end="", flush=True)
+            tail = (tail + [line.rstrip()])[-20:]
+        if proc.wait() != 0 or not record.is_file():
+            raise RuntimeError(f"bench.measure_child failed (exit {proc.returncode}): {tail}")
+        got = json.loads(record.read_text())
+    say(f"{label}: exit {got['rc']} in {got['seconds']:.1f}s, peak RSS "
+        f"{got['maxrss_kib'] / 2**20:.2f} GiB")
+    return {"rc": got["rc"], "seconds": got["seconds"], "peak_rss_GiB": got["maxrss_kib"] / 2**20,
+            "peak_anon_GiB": got["anon_kib"] / 2**20, "peak_file_GiB": got["file_kib"] / 2**20,
             "tail": tail}
 
 
@@ -545,7 +522,7 @@ def notes_for(rows: list[dict], info: dict) -> list[str]:
                    else ""))
     notes.append("seconds: the child's wall time (imports included; the plain copy's scaled to "
                  "the whole checkpoint); ckpt_GBps: checkpoint bytes / seconds; peak_rss: the "
-                 "child's ru_maxrss (os.wait4), file-backed pages included; peak_anon: its "
+                 "child's ru_maxrss (bench.measure_child), file-backed pages included; peak_anon: its "
                  "RssAnon sampled every 20 ms; export_s: export.json's own time; verified: "
                  "against a sample of the trainer's weights (every tensor outside the routed "
                  "experts, routed experts 0 and last)")
@@ -631,7 +608,7 @@ def main() -> None:
     name = "export_smoke" if args.smoke else "export"
     work = Path(args.work or f"/var/tmp/bench_{name}")
     if args.smoke:
-        args.max_shard_gb = min(args.max_shard_gb, 0.0002)  # several shards at tiny size
+        args.max_shard_gb = min(args.max_shard_gb, 0.00005)  # several shards at tiny size
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     prepare_work(work)
     free = shutil.disk_usage(work).free
