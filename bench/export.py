@@ -6,9 +6,10 @@ The checkpoint is the production one: `bench.v4_layer`'s model (Flash dims, 2 la
 `--experts` routed experts, BF16) is written as a model directory (`presets.save_model`), a real
 `TrainerWorker` (DeepSpeed ZeRO-3, one rank, BF16, on the GPU when there is one) hosted in a plain
 process (`rl.cluster.actors.ProcActor`, as a run without Ray hosts it) loads it, trains one step
-on a small random batch and is saved by the run's own `rl.checkpoint.Checkpointer` (every rank's
-files sealed with SHA-256, the manifest, `latest`) into RUN_DIR/checkpoints/step_000001, with the
-run's config.yaml beside it (`save_config`). driver.pt holds a stand-in driver state (step and
+on a small random batch (eager attention: the checkpoint does not depend on the kernel) and is
+saved by the run's own `rl.checkpoint.Checkpointer` (every rank's files sealed with SHA-256, the
+manifest, `latest`) into RUN_DIR/checkpoints/step_000001, with the run's config.yaml beside it
+(`save_config`). driver.pt holds a stand-in driver state (step and
 weight version, no sampler or pending rollouts): the export never reads it.
 
 Then, each cold (the checkpoint's pages dropped from the page cache first, POSIX_FADV_DONTNEED),
@@ -17,9 +18,12 @@ ru_maxrss`, plus its anonymous and file-backed RSS sampled from /proc every 20 m
 - plain copy: the checkpoint's files read and written (16 MiB blocks, fsync'ed), as far as the
   disk holds a second copy (a partial copy's time is scaled to the whole checkpoint);
 - `python -m launch.export RUN_DIR --format hf --out ...`, then `--format deepseek-v4` (FP4
-  experts) and `--format deepseek-v4 --experts fp8`: the user's command, SHA-256 check included;
+  experts): the user's command, SHA-256 check included;
 - DeepSpeed's `zero_to_fp32.py` (the recovery script every checkpoint carries) into fp32
-  safetensors: the path one would take without `launch.export`.
+  safetensors: the path one would take without `launch.export`;
+- `launch.export RUN_DIR --format deepseek-v4 --experts fp8`.
+`--budget-s` skips the steps the time left would not hold (judged by the step before), in
+this order.
 Every output is checked on a sample of the trainer's own weights (`TrainerWorker.
 full_state_dict`: every tensor outside the routed experts, and routed experts 0 and last of every
 layer): `hf` bit for bit (names and dtypes of all tensors against the model), `deepseek-v4`
@@ -39,7 +43,8 @@ Left out: ZeRO 0-2, expert parallelism and several ranks (the CPU tests cover th
 the MTP layer (no published checkpoint here: the deepseek-v4 layout follows DeepSeek-V4-Flash's
 names), optimizer offload to NVMe.
 
-Run: python -m bench.export [--experts auto|64|32|16|8] [--work DIR] [--no-naive] [--keep]
+Run: python -m bench.export [--experts auto|64|32|16|8] [--work DIR] [--budget-s S] [--no-naive]
+     [--keep]
 """
 from __future__ import annotations
 
@@ -142,6 +147,8 @@ def run_config(model_dir: Path, work: Path, device: str):
         f"model.path={model_dir}", "model.warm_start=false", "model.dtype=bfloat16",
         "trainer.num_ranks=1", "trainer.zero_stage=3", f"trainer.device={device}",
         "trainer.micro_batch_tokens=4096", "trainer.warmup_steps=0", "trainer.lr=1.0e-4",
+        # the checkpoint does not depend on the attention kernel; eager compiles nothing
+        "trainer.attention_kernel=eager",
         f"output_dir={work}", "name=run"])
 
 
@@ -484,7 +491,8 @@ def mount_of(path: Path) -> dict:
     real = str(Path(path).resolve())
     for line in Path("/proc/mounts").read_text().splitlines():
         dev, point, fstype = line.split()[:3]
-        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best[0]):
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best[0]):
             best = (point, dev, fstype)
     return {"mount": best[0], "device": best[1], "fstype": best[2]}
 
@@ -520,9 +528,18 @@ def notes_for(rows: list[dict], info: dict) -> list[str]:
                 "SHA-256 check of the checkpoint"
                 + (f"; launch.convert back {r['convert_back_s']:.1f}s" if "convert_back_s" in r
                    else ""))
+    for r in rows:
+        if r["row"].startswith("DeepSpeed") and "vs_copy" in r:
+            notes.append(f"{r['row']}: peak RSS {r['peak_rss_GiB']:.2f} GiB (anonymous "
+                         f"{r['peak_anon_GiB']:.2f}), {r['seconds']:.1f}s = {r['vs_copy']:.2f} x "
+                         "the plain copy; it writes fp32 in the module's names (not a model "
+                         "directory: no config, no tokenizer)")
+        elif str(r.get("verified", "")).startswith("skipped"):
+            notes.append(f"{r['row']}: not run, the time left (--budget-s) would not hold it")
     notes.append("seconds: the child's wall time (imports included; the plain copy's scaled to "
                  "the whole checkpoint); ckpt_GBps: checkpoint bytes / seconds; peak_rss: the "
-                 "child's ru_maxrss (bench.measure_child), file-backed pages included; peak_anon: its "
+                 "child's ru_maxrss (bench.measure_child), file-backed pages included; "
+                 "peak_anon: its "
                  "RssAnon sampled every 20 ms; export_s: export.json's own time; verified: "
                  "against a sample of the trainer's weights (every tensor outside the routed "
                  "experts, routed experts 0 and last)")
@@ -544,7 +561,7 @@ def prepare_work(work: Path) -> None:
 
 def measure_exports(args, cfg, work: Path, ckpt: Path, sample: dict, baseline: float,
                     rows: list[dict], publish, deadline: float) -> None:
-    """The plain copy, then each format (checked and deleted), then zero_to_fp32. A step that
+    """The plain copy, then each format (checked and deleted) and zero_to_fp32. A step that
     the time left (`deadline`, time.monotonic()) would not hold, judged by the one before it,
     is skipped and its row says so."""
     model_dir = Path(cfg.model.path)
@@ -553,7 +570,8 @@ def measure_exports(args, cfg, work: Path, ckpt: Path, sample: dict, baseline: f
     rows.append(copy)
     publish()
     out, back = work / "out", work / "back"
-    steps = [*FORMATS, *([] if args.no_naive else [("naive", [])])]
+    # the naive path before the fp8 variant: it is the comparison the targets are about
+    steps = [*FORMATS[:2], *([] if args.no_naive else [("naive", [])]), *FORMATS[2:]]
     guess = 0.0
     for label, fmt_args in steps:
         if time.monotonic() + guess > deadline:

@@ -90,8 +90,8 @@ def test_export_bench_smoke(tmp_path):
     assert result["command"].startswith("python -m bench.export --smoke")
     rows = {r["row"]: r for r in result["rows"]}
     assert list(rows) == ["trainer checkpoint (save)", "plain copy (the limit)", "export hf",
-                          "export deepseek-v4 fp4", "export deepseek-v4 fp8",
-                          "DeepSpeed zero_to_fp32 (naive)"]
+                          "export deepseek-v4 fp4", "DeepSpeed zero_to_fp32 (naive)",
+                          "export deepseek-v4 fp8"]
     checkpoint = rows["trainer checkpoint (save)"]
     assert checkpoint["checkpoint_GiB"] == result["checkpoint_GiB"] > 0
     assert checkpoint["path"].endswith("run/checkpoints/step_000001")
