@@ -234,6 +234,14 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
+def page_cache_gib() -> float:
+    """The kernel's page cache (/proc/meminfo `Cached`), GiB."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Cached:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
 def drop_cache(path: Path) -> None:
     """Write back and drop `path`'s files from the page cache: the next read comes from disk."""
     for p in Path(path).rglob("*"):
@@ -372,7 +380,11 @@ def check_hf(out: Path, model_dir: Path, sample: dict) -> str:
     if set(got.where) != names:
         return (f"FAILED: {len(names - set(got.where))} tensors missing, "
                 f"{len(set(got.where) - names)} unexpected")
-    bad = [k for k, t in want.items() if got[k].dtype != t.dtype or not torch.equal(got[k], t)]
+    bad = []
+    for k, t in want.items():
+        written = got[k]
+        if written.dtype != t.dtype or not torch.equal(written, t):
+            bad.append(k)
     if bad:
         return f"FAILED: {len(bad)} of {len(want)} sampled tensors differ (first {bad[0]})"
     return f"ok: all {len(names)} names; {len(want)} sampled tensors bit for bit"
@@ -513,7 +525,9 @@ def notes_for(rows: list[dict], info: dict) -> list[str]:
     if copy:
         notes.append(f"the limit: a plain copy reads and writes {copy['read_write_GBps']:.2f} "
                      f"GB/s together: {copy['seconds']:.1f}s for the whole checkpoint"
-                     + (f" ({copy['verified']})" if copy.get("verified") else ""))
+                     + (f" ({copy['verified']})" if copy.get("verified") else "")
+                     + "; dropping the checkpoint's pages took the page cache from "
+                     f"{copy['page_cache_GiB'][0]:.2f} to {copy['page_cache_GiB'][1]:.2f} GiB")
     for r in rows:
         if "rss_target" in r:
             notes.append(
@@ -565,8 +579,11 @@ def measure_exports(args, cfg, work: Path, ckpt: Path, sample: dict, baseline: f
     the time left (`deadline`, time.monotonic()) would not hold, judged by the one before it,
     is skipped and its row says so."""
     model_dir = Path(cfg.model.path)
+    before = page_cache_gib()
     drop_cache(ckpt)
+    after = page_cache_gib()
     copy = plain_copy(ckpt, work / "copy", shutil.disk_usage(work).free - MARGIN)
+    copy["page_cache_GiB"] = [before, after]  # around the first drop
     rows.append(copy)
     publish()
     out, back = work / "out", work / "back"

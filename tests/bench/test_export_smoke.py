@@ -97,6 +97,7 @@ def test_export_bench_smoke(tmp_path):
     assert checkpoint["path"].endswith("run/checkpoints/step_000001")
     copy = rows["plain copy (the limit)"]
     assert copy["copied_GiB"] == pytest.approx(copy["checkpoint_GiB"]) and copy["seconds"] > 0
+    assert len(copy["page_cache_GiB"]) == 2  # the page cache around dropping the checkpoint
     for name in ("export hf", "export deepseek-v4 fp4", "export deepseek-v4 fp8"):
         row = rows[name]
         assert ROW_FIELDS <= set(row), (name, ROW_FIELDS - set(row))
@@ -116,6 +117,7 @@ def test_export_bench_smoke(tmp_path):
     assert naive["rc"] == 0 and naive["verified"].startswith("ok: ") and naive["tensors"] > 0
     table = (tmp_path / "export_smoke.md").read_text()
     assert table.count("\n| export ") == 3
+    assert "dropping the checkpoint's pages took the page cache from" in table
     assert "export hf: peak RSS" in table and "x the plain copy (target <= 2): NOT MET, smoke" \
         in table
     assert not work.exists()  # removed without --keep
