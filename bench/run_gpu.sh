@@ -8,6 +8,10 @@
 #                                            V4_LAYER_ARGS adds options)
 #                                            moe_actor (2 H200: V4-shaped actor, EP=2 vs ZeRO-3;
 #                                            MOE_ACTOR_ARGS="--ep 2 --profile" adds a profile)
+#                                            export (one GPU, .whl with deepspeed: launch.export
+#                                            in both formats on a real ZeRO-3 checkpoint of two
+#                                            V4-Flash layers, vs a plain copy and zero_to_fp32;
+#                                            EXPORT_ARGS replaces "--experts auto --budget-s 480")
 #   (fp8gemm: the decode GEMMs, FP8 paths vs BF16 vs the roofline; issue 16's measurement;
 #    fp8gemm_sweep: the same with w8a16's launch settings swept per shape)
 #   (decode_profile: bench/decode_profile.py alone, single-pass attention)
@@ -84,6 +88,8 @@ for s in $sections; do
                     tests/gpu/test_v4_attention_gpu.py
                 run v4_attention 300 python3 -m bench.v4_attention --out "$OUT" ;;
         v4layer) run v4_layer 420 python3 -m bench.v4_layer --out "$OUT" ${V4_LAYER_ARGS:---profile} ;;
+        export) run export 560 python3 -m bench.export --out "$OUT" \
+                    ${EXPORT_ARGS:---experts auto --budget-s 480} ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
         fp8gemm) run fp8_gemm 240 python3 -m bench.fp8_gemm --out "$OUT" ;;
         fp8gemm_sweep) run fp8_gemm_sweep 420 python3 -m bench.fp8_gemm --sweep --out "$OUT" ;;
