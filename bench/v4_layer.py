@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -98,10 +99,12 @@ def build_model(config, device, dtype=torch.bfloat16):
     return model.train()
 
 
+_USER_COMPILE = os.environ.get("RL_V4_COMPILE")
+"""RL_V4_COMPILE as the run was started (`fused` keeps it; `fused_nocompile` sets 0)."""
+
+
 def use_path(model, path: str) -> None:
     """Switch `model` to `path` (see the module docstring) in place."""
-    import os
-
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
 
     from rl.models import v4_attention, v4_layer
@@ -110,7 +113,12 @@ def use_path(model, path: str) -> None:
     if path not in ALL_PATHS:
         raise ValueError(f"path {path!r}; expected one of {ALL_PATHS}")
     v4_layer.restore(model, experts="grouped_mm")
-    os.environ[compiled.ENV] = "0" if path == "fused_nocompile" else "auto"
+    if path == "fused_nocompile":
+        os.environ[compiled.ENV] = "0"
+    elif _USER_COMPILE is None:
+        os.environ.pop(compiled.ENV, None)
+    else:
+        os.environ[compiled.ENV] = _USER_COMPILE
     if path == "eager":
         model.set_attn_implementation("eager")
         for module in model.modules():
