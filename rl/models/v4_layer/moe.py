@@ -105,12 +105,17 @@ class _LoopGroupedMM(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+def aligned(*tensors: torch.Tensor) -> bool:
+    """Every data pointer 16-byte aligned (what the CUDA grouped GEMM requires)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def _kernel_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     global _warned
     if not (x.is_cuda and hasattr(F, "grouped_mm")
             and torch.cuda.get_device_capability(x.device) >= (8, 0)):
         return False
-    if x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0:
+    if aligned(x, w):
         return True
     if not _warned:
         _warned = True

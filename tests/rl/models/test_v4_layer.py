@@ -13,7 +13,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 from rl.models import v4_layer
 from rl.models.hf_classes import transformers_classes
 from rl.models.loading import load_model
-from rl.models.v4_layer import compiled, modules
+from rl.models.v4_layer import compiled, modules, moe
 from rl.models.v4_layer.moe import IMPLEMENTATION, experts_forward
 
 # V4-Flash's mixer and router settings (hc_mult 4, 20 Sinkhorn iterations, sqrt-softplus scores
@@ -177,6 +177,25 @@ def test_experts_match_eager_loop_without_scatter_adds(model_dirs, dtype):
     scatter = {"index_add", "index_add_", "scatter_add", "scatter_add_", "index_put(accumulate)"}
     assert not scatter & set(ops.seen), scatter & set(ops.seen)
     assert "argsort" in ops.seen or "sort" in ops.seen
+
+
+def test_misaligned_expert_weights_take_the_loop(model_dirs):
+    """A weight viewed 3 elements into a flat buffer (as DeepSpeed's can be, after V4's
+    3-element mixer `scale`) is not aligned for the CUDA grouped GEMM; the per-expert loop
+    gives the same values from it."""
+    fused, _ = _pair(model_dirs["flash-small"], torch.float32)
+    experts = fused.model.layers[1].mlp.experts
+    idx, w = _routing(20, 16, 6, seed=5)
+    x = torch.randn(20, 64)
+    with torch.no_grad():
+        want = experts(x, idx, w)
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(experts, name)
+            flat = torch.zeros(3 + p.numel())
+            flat[3:] = p.detach().flatten()
+            p.data = flat[3:].view_as(p)
+        assert not moe.aligned(experts.gate_up_proj) and moe.aligned(x)
+        torch.testing.assert_close(experts(x, idx, w), want, rtol=0, atol=0)
 
 
 def test_experts_forward_refuses_transformers_ep_sentinels():
