@@ -6,17 +6,21 @@ ZeRO-3 gathers the expert weights on that call) and under `rl.trainer.expert_par
 ranks call the same module on the pairs they received.
 
 For T tokens and top-k K (P = T * K (token, expert) pairs):
-1. `order` = the pairs sorted by expert (one stable argsort), `inverse` its inverse permutation,
-   per-expert counts -> the grouped GEMM offsets.
+1. `order` = the pairs sorted by expert (one stable sort), `inverse` its inverse permutation,
+   the grouped GEMM offsets by a binary search in the sorted ids (no host sync).
 2. `_Dispatch`: x[order // K], the tokens in expert order (P, H); its backward gathers the
-   pairs' gradients back through `inverse` and sums each token's K rows (a reshape and sum).
+   pairs' gradients back through `inverse` and sums each token's K rows (`gather_sum`).
 3. gate_up and down as one grouped GEMM each (`torch.nn.functional.grouped_mm` on CUDA, the op
    transformers' `grouped_mm` experts call; a per-expert loop elsewhere, or when DeepSpeed's
    flat buffer leaves a weight off the 16-byte alignment the CUDA kernel needs), the clamped
    SwiGLU between them one fused function (`swiglu`).
-4. `_Combine`: y[inverse] viewed as (T, K, H), times the routing weights, summed over K; its
-   backward gathers through `order`. The routing weights get their gradient here, as in
-   transformers.
+4. `_Combine`: y[inverse] viewed as (T, K, H), times the routing weights, summed over K
+   (`weighted_sum`); its backward gathers through `order` (`weighted_sum_grads`). The routing
+   weights get their gradient here, as in transformers.
+
+The gathers, products and sums of steps 2-4 are `compiled.Fused` functions: on CUDA each is one
+inductor kernel reading the gathered rows once (no (T, K, H) intermediate), eagerly elsewhere
+with transformers' op order (bf16 products rounded before the sum, as its `grouped_mm` path).
 
 transformers' `grouped_mm` path does steps 1-4 with advanced indexing, whose backward is an
 `index_put_(accumulate=True)` (a sort and a scatter-add per use, twice per layer); its eager
@@ -38,6 +42,34 @@ IMPLEMENTATION = "rl_v4_grouped"
 _warned = False
 
 
+def _gather_sum(grad_PH: torch.Tensor, inverse_P: torch.Tensor, top_k: int) -> torch.Tensor:
+    # (T, H): each token's K rows, gathered from expert order and summed
+    rows = grad_PH.index_select(0, inverse_P)
+    return rows.view(-1, top_k, grad_PH.shape[-1]).sum(dim=1)
+
+
+def _weighted_sum(y_PH: torch.Tensor, inverse_P: torch.Tensor, w_TK: torch.Tensor):
+    # (T, H): sum_k w[t, k] * y[inverse[t * K + k]]
+    rows = y_PH.index_select(0, inverse_P).view(*w_TK.shape, y_PH.shape[-1])
+    return (rows * w_TK.unsqueeze(-1)).sum(dim=1)
+
+
+def _weighted_sum_grads(grad_TH: torch.Tensor, y_PH: torch.Tensor, inverse_P: torch.Tensor,
+                        order_P: torch.Tensor, w_TK: torch.Tensor):
+    # d y (P, H) in expert order: g[token of pair] * its weight; d w (T, K): <g[t], y[pair]>
+    top_k = w_TK.shape[1]
+    rows = y_PH.index_select(0, inverse_P).view(*w_TK.shape, y_PH.shape[-1])
+    grad_w = (grad_TH.unsqueeze(1) * rows).sum(dim=-1).to(w_TK.dtype)
+    pair_w = w_TK.reshape(-1).index_select(0, order_P).unsqueeze(-1)
+    grad_y = (grad_TH.index_select(0, order_P // top_k) * pair_w).to(y_PH.dtype)
+    return grad_y, grad_w
+
+
+gather_sum = Fused(_gather_sum, token_args=2)
+weighted_sum = Fused(_weighted_sum, token_args=3)
+weighted_sum_grads = Fused(_weighted_sum_grads, token_args=5)
+
+
 class _Dispatch(torch.autograd.Function):
     """x (T, H) -> x[order // K] (P, H); backward: g[inverse] (T, K, H) summed over K."""
 
@@ -50,8 +82,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
-        rows = grad.index_select(0, inverse)
-        return rows.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None, None
+        return gather_sum(grad, inverse, ctx.top_k), None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -59,20 +90,15 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, weights, order, inverse):
-        rows = y.index_select(0, inverse).view(*weights.shape, y.shape[-1])  # (T, K, H)
-        ctx.save_for_backward(rows, weights, order)
-        return (rows * weights.unsqueeze(-1)).sum(dim=1)
+        ctx.save_for_backward(y, weights, order, inverse)
+        return weighted_sum(y, inverse, weights)
 
     @staticmethod
     def backward(ctx, grad):
-        rows, weights, order = ctx.saved_tensors
-        grad_y = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_rows = grad.unsqueeze(1) * weights.unsqueeze(-1)
-            grad_y = grad_rows.flatten(0, 1).index_select(0, order).to(rows.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = (grad.unsqueeze(1) * rows).sum(dim=-1).to(weights.dtype)
-        return grad_y, grad_w, None, None
+        y, weights, order, inverse = ctx.saved_tensors
+        grad_y, grad_w = weighted_sum_grads(grad.contiguous(), y, inverse, order, weights)
+        return (grad_y if ctx.needs_input_grad[0] else None,
+                grad_w if ctx.needs_input_grad[1] else None, None, None)
 
 
 class _LoopGroupedMM(torch.autograd.Function):
@@ -110,10 +136,13 @@ def aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
+# torch >= 2.10 names it F.grouped_mm; 2.9 has only the private op (transformers does the same)
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 def _kernel_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     global _warned
-    if not (x.is_cuda and hasattr(F, "grouped_mm")
-            and torch.cuda.get_device_capability(x.device) >= (8, 0)):
+    if not (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 0)):
         return False
     if aligned(x, w):
         return True
@@ -124,13 +153,14 @@ def _kernel_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return False
 
 
-def grouped_mm(x_PI: torch.Tensor, w_EIO: torch.Tensor, offsets_E: torch.Tensor,
-               counts_E: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x_PI: torch.Tensor, w_EIO: torch.Tensor, offsets_E: torch.Tensor
+               ) -> torch.Tensor:
     """Rows [offsets[e-1], offsets[e]) of x times w[e]: (P, O). offsets int32 cumulative."""
     x_PI = x_PI.to(w_EIO.dtype)
-    if _kernel_ok(x_PI, w_EIO):
-        return F.grouped_mm(x_PI, w_EIO, offs=offsets_E)
-    return _LoopGroupedMM.apply(x_PI, w_EIO, counts_E.tolist())
+    if _GROUPED_MM is not None and _kernel_ok(x_PI, w_EIO):
+        return _GROUPED_MM(x_PI, w_EIO, offs=offsets_E)
+    counts = offsets_E.diff(prepend=offsets_E.new_zeros(1))
+    return _LoopGroupedMM.apply(x_PI, w_EIO, counts.tolist())
 
 
 def _swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -156,14 +186,14 @@ def experts_forward(self, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
         raise NotImplementedError(f"{IMPLEMENTATION} does not take transformers' expert-parallel "
                                   "sentinels; the project's is rl.trainer.expert_parallel")
     top_k = top_k_index_TK.shape[-1]
-    flat = top_k_index_TK.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    experts, order = torch.sort(top_k_index_TK.reshape(-1), stable=True)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.bincount(flat, minlength=self.num_experts)
-    offsets = counts.cumsum(0, dtype=torch.int32)
+    # offsets[e] = pairs with expert <= e: no host sync (bincount would read the max id back)
+    ids = torch.arange(self.num_experts, device=experts.device, dtype=experts.dtype)
+    offsets = torch.searchsorted(experts, ids, right=True).to(torch.int32)
     x = _Dispatch.apply(hidden_TH, order, inverse, top_k)
-    h = grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offsets, counts)
+    h = grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offsets)
     h = swiglu(h, self.limit)
-    y = grouped_mm(h, self.down_proj.transpose(-2, -1), offsets, counts)
+    y = grouped_mm(h, self.down_proj.transpose(-2, -1), offsets)
     return _Combine.apply(y, top_k_weights_TK, order, inverse).to(hidden_TH.dtype)
