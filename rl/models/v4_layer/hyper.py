@@ -1,31 +1,33 @@
 """DeepSeek-V4's hyper-connections (mHC) and RMSNorm as whole functions, one compiled graph each.
 
 Where transformers' eager layer spends its time (`bench/results/v4_layer.md`, 8,192 tokens,
-V4-Flash dims, per hyper-connection; 4 per two layers): the Sinkhorn projection of the (4 x 4)
-`comb` matrix runs 20 iterations of sum / add / divide on (tokens, 4, 4) tensors: ~120 kernel
-launches forward and ~240 backward for a few kilobytes of work each, ~460 launches per mixer in
-all (counted with a dispatch mode on CPU). The mix back into the streams,
-`matmul(comb^T, streams)`, is a batched GEMM of (4 x 4) @ (4 x 4096) per token: cuBLAS runs it
-as a 8,192-batch wmma kernel of ~2 ms, three times per mixer (forward, two in backward); those
-were the `bmm` rows of ~2 ms in the profile. Around them, casts and products of the
-(tokens, 4, 4096) streams in fp32 each make a full pass over 256-512 MB.
+V4-Flash dims; 4 mixers in two layers): each mixer's Sinkhorn projection of the (4 x 4) `comb`
+matrix runs 20 iterations of sum / add / divide on (tokens, 4, 4) tensors, ~120 kernel launches
+forward and ~240 backward for a few kilobytes of work each; ~460 launches per mixer in all
+(counted with a dispatch mode on CPU). Each mix back into the streams, `matmul(comb^T,
+streams)`, is a batched GEMM of (4 x 4) @ (4 x 4096) per token, once forward and twice backward:
+12 calls in the profiled step, which match its 11 `cutlass_80_wmma` `bmm` kernels of ~2 ms
+(~21 ms; the other ~1,550 `bmm` calls, ~50 us each, are the attention's per-block backward).
+Around them, casts and products of the (tokens, 4, 4096) streams in fp32 each make a full pass
+over 256-512 MB.
 
 Here each piece is one function of plain torch ops: `hc_pre` (norm, projection, sigmoid /
 softmax, Sinkhorn, collapse), `hc_post` (expand and mix; for the MoE it also adds the shared
 expert to the routed output), `hc_head` (the final collapse) and `rms_norm`. On CUDA they run
 under `torch.compile(fullgraph=True)` (`compiled.py`): inductor unrolls the size-4 reductions,
-so the Sinkhorn loop and the mix become a few fused Triton kernels forward and backward,
-and its own backward. torch.compile rather than hand-written Triton: the backward of 20
-Sinkhorn iterations comes from AOTAutograd, exact, instead of a hand derivation, and the same
-source is the CPU path. The mix is written as an unrolled sum over the 4 input streams, not
-`einsum` / `matmul`: those lower to the small batched GEMM above, which inductor calls as is.
+so the Sinkhorn loop and the mix become a few fused Triton kernels forward and backward.
+torch.compile rather than hand-written Triton: the backward of 20 Sinkhorn iterations comes
+from AOTAutograd, exact, instead of a hand derivation, and the same source is the CPU path. The
+mix is written as an unrolled sum over the 4 input streams, not `einsum` / `matmul`: those
+lower to the small batched GEMM above, which inductor hands to cuBLAS as it is.
 
-Precision (as DeepSeek's reference and vLLM's `mhc_post` keep it): the norm, projection,
-Sinkhorn and collapse in fp32 (transformers does the same: its mixers are fp32 modules), and
-the expand + mix in fp32 from `post` / `comb` in fp32, rounded once to the streams' dtype.
-transformers rounds `post` and `comb` to bf16 first and mixes in bf16; in fp32 the two are the
-same function, in bf16 ours is the more exact (tests/rl/models/test_v4_layer.py). The RMSNorm
-is `rl.models.v4_precision`'s: fp32 inside, the input's dtype out.
+Precision: the norm, projection, Sinkhorn and collapse in fp32 (as transformers: its mixers are
+fp32 modules), and the expand + mix in fp32 from `post` / `comb` in fp32, rounded once to the
+streams' dtype, as vLLM's reference for V4 does (`mhc_post_torch` in
+`vllm/model_executor/kernels/mhc/torch.py`). transformers rounds `post` and `comb` to bf16 first
+and mixes in bf16; in fp32 the two are the same function, in bf16 ours is at least as close to
+an fp32 computation (tests/rl/models/test_v4_layer.py checks both). The RMSNorm is
+`rl.models.v4_precision`'s: fp32 inside, the input's dtype out.
 """
 from __future__ import annotations
 

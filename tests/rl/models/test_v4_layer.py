@@ -105,7 +105,8 @@ def test_fp32_matches_transformers(model_dirs, name):
 @pytest.mark.parametrize("name", ["tiny-deepseek-v4", "flash-small"])
 def test_bf16_matches_transformers(model_dirs, name):
     """BF16, the production dtype, against the same (bf16-rounded) weights computed in fp32:
-    the fused layer is as close as transformers' (its stream mix rounds once, not four times).
+    the fused layer is as close as transformers' (its stream mix rounds once, transformers' at
+    each step).
     Per parameter within 2x transformers' error plus bf16 noise: sums over tokens such as the
     mixers' `base` gradients cancel to ~1e-5 of the gradient norm, where either path's bf16
     rounding can flip their sign."""
