@@ -4,8 +4,11 @@
 #   bash bench/run_gpu.sh [sections...]      sections: tests_native rollout sync tests_sync train
 #                                            v4attn (one H200: V4 attention test + benchmark)
 #                                            v4layer (one H200, .whl with transformers 5.19: two
-#                                            V4-Flash layers fwd+bwd, eager vs project path;
-#                                            V4_LAYER_ARGS adds options)
+#                                            V4-Flash layers fwd+bwd, eager vs project vs fused
+#                                            path; V4_LAYER_ARGS adds options)
+#                                            tests_v4layer (the fused V4 layer's GPU test, same
+#                                            machine; its own call: with v4layer it can pass
+#                                            one call's 600 s)
 #                                            moe_actor (2 H200: V4-shaped actor, EP=2 vs ZeRO-3;
 #                                            MOE_ACTOR_ARGS="--ep 2 --profile" adds a profile)
 #                                            export (one GPU, .whl with deepspeed: launch.export
@@ -87,9 +90,11 @@ for s in $sections; do
         v4attn) run tests_v4attn 260 python3 -m pytest -q -p no:cacheprovider -s \
                     tests/gpu/test_v4_attention_gpu.py
                 run v4_attention 300 python3 -m bench.v4_attention --out "$OUT" ;;
-        v4layer) run v4_layer 420 python3 -m bench.v4_layer --out "$OUT" ${V4_LAYER_ARGS:---profile} ;;
+        v4layer) run v4_layer 540 python3 -m bench.v4_layer --out "$OUT" ${V4_LAYER_ARGS:---profile} ;;
         export) run export 560 python3 -m bench.export --out "$OUT" \
                     ${EXPORT_ARGS:---experts auto --budget-s 480} ;;
+        tests_v4layer) run tests_v4layer 360 python3 -m pytest -q -p no:cacheprovider -s \
+                           tests/gpu/test_v4_layer_gpu.py ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
         fp8gemm) run fp8_gemm 240 python3 -m bench.fp8_gemm --out "$OUT" ;;
         fp8gemm_sweep) run fp8_gemm_sweep 420 python3 -m bench.fp8_gemm --sweep --out "$OUT" ;;

@@ -1,0 +1,58 @@
+"""When the V4 layer's fused functions run under `torch.compile`, and how.
+
+`RL_V4_COMPILE` (environment): `auto` (default) compiles on CUDA tensors and runs eagerly
+elsewhere (a CPU has no Triton, and inductor's C++ path would compile for minutes in every
+test process); `1` compiles everywhere; `0` never (the same torch code, eagerly). Read at each
+call, so a process can switch it.
+
+Each function is compiled whole (`fullgraph=True`: a graph break would split the Sinkhorn loop
+back into small kernels, so it is an error, not a silent slowdown). Its leading arguments are
+token-major (dim 0 = tokens, `B * S` flattened) and marked dynamic with
+`torch._dynamo.maybe_mark_dynamic`, so a new sequence length reuses the compiled graph instead
+of recompiling each step; the other dimensions are the model's (static). The graphs a process
+compiles per function: grad on / off, a single token (decoding: its size 1 is specialised), and
+for `rms_norm` a second width (inductor then makes the width dynamic too): well under dynamo's
+recompile limit of 8.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable
+
+import torch
+
+ENV = "RL_V4_COMPILE"
+BACKEND: str | Callable = "inductor"
+"""The torch.compile backend (tests count compilations with their own)."""
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether a call on `device` runs compiled (`RL_V4_COMPILE`, see the module docstring)."""
+    value = os.environ.get(ENV, "auto")
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"{ENV}={value!r}; expected auto, 0 or 1")
+    return device.type == "cuda" if value == "auto" else value == "1"
+
+
+class Fused:
+    """`fn`, run eagerly or compiled (`enabled`); the first `token_args` arguments are
+    token-major tensors whose dim 0 is marked dynamic."""
+
+    def __init__(self, fn: Callable, token_args: int):
+        self.fn = fn
+        self.token_args = token_args
+        self._compiled: Callable | None = None
+        self._backend: str | Callable | None = None
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args):
+        if not enabled(args[0].device):
+            return self.fn(*args)
+        if self._compiled is None or self._backend is not BACKEND:
+            self._compiled = torch.compile(self.fn, fullgraph=True, backend=BACKEND)
+            self._backend = BACKEND
+        for t in args[:self.token_args]:
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return self._compiled(*args)
