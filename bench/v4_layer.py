@@ -18,8 +18,9 @@ Paths (same weights, same tokens, one process):
   the project's fp32-norm boundary cast (`rl.models.v4_precision`) without which BF16 V4 cannot
   run a forward in transformers 5.19; transformers' decoder layer, `grouped_mm` experts.
 - project: the project's path before `rl.models.v4_layer`: `v4_precision` plus
-  `rl.models.v4_attention` (Triton forward and per-block recompute backward on a GPU, the
-  chunked torch path on a CPU); transformers' decoder layer, `grouped_mm` experts.
+  `rl.models.v4_attention` (Triton forward and backward on a GPU, `RL_V4_ATTENTION_BWD=torch`
+  for the older per-block recompute backward; the chunked torch path on a CPU); transformers'
+  decoder layer, `grouped_mm` experts.
 - fused: what `load_model` builds for the trainer now: `project` plus `rl.models.v4_layer`
   (hyper-connections and norms as fused functions, compiled on CUDA; experts as one sort and two
   grouped GEMMs without scatter-adds).
