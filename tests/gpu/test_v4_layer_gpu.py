@@ -1,14 +1,10 @@
 """rl.models.v4_layer on a GPU at V4-Flash dims (2 layers, 16 experts top-6, 4 streams, 20
-Sinkhorn iterations), BF16, compiled as load_model runs it: one forward + backward against the
-same functions run eagerly and against transformers' layer (the bench's `project` path), and no
+Sinkhorn iterations), BF16, compiled as load_model runs it and eagerly: one forward + backward
+each against an fp32 run of transformers' layer (the bench's `project` path), and no
 recompilation at a second sequence length."""
 import pytest
 
 pytestmark = pytest.mark.gpu
-
-
-OWN = ("_hc.", "hc_head", "layernorm", ".norm.", "mlp.")
-"""Parameters whose gradients v4_layer computes: mixers, norms, routers, experts."""
 
 
 def _rel_all(got: dict, want: dict) -> float:
@@ -18,39 +14,46 @@ def _rel_all(got: dict, want: dict) -> float:
 
 
 def test_fused_layer_matches_at_flash_dims(report):
+    """BF16 fused (compiled and eager) against an fp32 run of the same weights on the previous
+    path: each must be about as close to fp32 as the previous path's own BF16 run is. (BF16 paths
+    against each other differ by a few percent of the gradient: they round at other points, and
+    a router score near a tie sends a token to another expert.)"""
+    import torch
     from torch._dynamo.utils import counters
 
     from bench.v4_layer import _step, _tokens, build_model, flash_config, use_path
+    from rl.models.v4_attention import kernel
     from rl.models.v4_layer import moe
-    model = build_model(flash_config(experts=16), "cuda")
-    ids = _tokens(model, 2048)
+    config = flash_config(experts=16)
+    ids = None
     results = {}
-    for path in ("project", "fused_nocompile", "fused"):
-        use_path(model, path)
-        loss = _step(model, ids).item()
-        results[path] = (loss, {n: p.grad.clone() for n, p in model.named_parameters()
-                                if p.grad is not None})
+    for dtype, paths in ((torch.float32, ("project",)),
+                         (torch.bfloat16, ("project", "fused_nocompile", "fused"))):
+        # the fp32 reference runs the attention's chunked torch path (the Triton kernels' tiles
+        # are sized for BF16)
+        kernel.FORCE = "torch" if dtype == torch.float32 else ""
+        model = build_model(config, "cuda", dtype=dtype)  # same seed: same weights
+        ids = _tokens(model, 2048)
+        for path in paths:
+            use_path(model, path)
+            loss = _step(model, ids).item()
+            results[(dtype, path)] = (loss, {n: p.grad.float().clone()
+                                             for n, p in model.named_parameters()
+                                             if p.grad is not None})
     graphs = counters["stats"]["unique_graphs"]
     assert graphs >= 7, graphs  # hc_pre, hc_post x2, hc_head, rms_norm, swiglu, swiglu_pair
     _step(model, _tokens(model, 3072))  # a new length: no new graph
     assert counters["stats"]["unique_graphs"] == graphs
     assert not moe._warned  # the experts ran F.grouped_mm, not the per-expert loop
-    (ref_loss, ref), (eager_loss, eager), (loss, fused) = results.values()
-    assert fused.keys() == ref.keys() == eager.keys()
-    ours = [n for n in fused if any(part in n for part in OWN)]
-    per_param = {n: _rel_all({n: fused[n]}, {n: eager[n]}) for n in ours}
-    worst = max(per_param, key=per_param.get)
-    errors = {"loss_vs_project": abs(loss - ref_loss) / abs(ref_loss),
-              "grads_vs_project": _rel_all(fused, ref),
-              "loss_vs_nocompile": abs(loss - eager_loss) / abs(eager_loss),
-              "grads_vs_nocompile": _rel_all(fused, eager),
-              "worst_param_vs_nocompile": per_param[worst]}
-    report("v4_layer_fused_flash_dims", loss=loss, graphs=graphs, worst_param=worst,
+    ref_loss, ref = results[(torch.float32, "project")]
+    errors = {}
+    for path in ("project", "fused_nocompile", "fused"):
+        loss, grads = results[(torch.bfloat16, path)]
+        assert grads.keys() == ref.keys()
+        errors[f"loss_{path}"] = abs(loss - ref_loss) / abs(ref_loss)
+        errors[f"grads_{path}"] = _rel_all(grads, ref)
+    report("v4_layer_fused_flash_dims", loss=ref_loss, graphs=graphs,
            **{k: float(f"{v:.3g}") for k, v in errors.items()})
-    # bf16: the fused mix rounds once where transformers rounds at each step, inductor's kernels
-    # round at other points than the eager functions, and a router score near a tie can pick
-    # another expert (on CPU at small dims all three are as close to an fp32 computation)
-    for key, limit in (("loss_vs_project", 1e-2), ("loss_vs_nocompile", 1e-2),
-                       ("grads_vs_project", 5e-2), ("grads_vs_nocompile", 5e-2),
-                       ("worst_param_vs_nocompile", 0.15)):
-        assert errors[key] < limit, (key, errors)
+    for path in ("fused_nocompile", "fused"):
+        assert errors[f"loss_{path}"] < max(2 * errors["loss_project"], 1e-3), (path, errors)
+        assert errors[f"grads_{path}"] < max(1.5 * errors["grads_project"], 1e-2), (path, errors)

@@ -9,18 +9,21 @@ Each function is compiled whole (`fullgraph=True`: a graph break would split the
 back into small kernels, so it is an error, not a silent slowdown). Its leading arguments are
 token-major (dim 0 = tokens, `B * S` flattened) and marked dynamic with
 `torch._dynamo.maybe_mark_dynamic`, so a new sequence length reuses the compiled graph instead
-of recompiling each step; the other dimensions are the model's (static). The graphs a process
-compiles per function: grad on / off, a single token (decoding: its size 1 is specialised), and
-for `rms_norm` a second width (inductor then makes the width dynamic too): well under dynamo's
-recompile limit of 8.
+of recompiling each step; the other dimensions are the model's (static). Only calls with
+autograd on compile (training steps); generation and no-grad scoring run the same functions
+eagerly, so a decode step's single token or a new width never adds a graph. A function that
+still hits dynamo's recompile limit (8) runs eagerly from then on, with one warning.
 """
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 ENV = "RL_V4_COMPILE"
 BACKEND: str | Callable = "inductor"
@@ -44,10 +47,13 @@ class Fused:
         self.token_args = token_args
         self._compiled: Callable | None = None
         self._backend: str | Callable | None = None
+        self._eager = False
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args):
-        if not enabled(args[0].device):
+        # Only training steps compile: generation and no-grad scoring call with many shapes
+        # (a decode step's single token, each prompt length), which would only add graphs.
+        if self._eager or not torch.is_grad_enabled() or not enabled(args[0].device):
             return self.fn(*args)
         if self._compiled is None or self._backend is not BACKEND:
             self._compiled = torch.compile(self.fn, fullgraph=True, backend=BACKEND)
@@ -55,4 +61,12 @@ class Fused:
         for t in args[:self.token_args]:
             if t is not None:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        return self._compiled(*args)
+        try:
+            return self._compiled(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            # More distinct shapes than dynamo's recompile limit: run this function eagerly
+            # from now on (the same torch code) rather than fail the step.
+            self._eager = True
+            log.warning("%s: torch.compile hit its recompile limit; running it eagerly from "
+                        "now on", self.fn.__name__)
+            return self.fn(*args)

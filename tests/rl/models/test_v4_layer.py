@@ -252,3 +252,33 @@ def test_generation_with_cache_matches_transformers(model_dirs):
     ids = _ids(fused, seq=12, seed=4)
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(fused.eval().generate(ids, **kw), ref.eval().generate(ids, **kw))
+
+
+def test_compile_only_with_grad_and_eager_after_the_recompile_limit(monkeypatch, caplog):
+    """Generation (no grad) never compiles; a function past dynamo's recompile limit runs
+    eagerly from then on instead of failing the step (the HF engine on CUDA hit this)."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled, "BACKEND", counting)
+    monkeypatch.setenv(compiled.ENV, "1")
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+    square = compiled.Fused(lambda x: x * x + 1, token_args=1)
+    with torch.no_grad():
+        square(torch.ones(3, 4))
+    assert graphs == []
+    x = torch.ones(3, 4, requires_grad=True)
+    assert square(x).sum().item() == 24
+    assert len(graphs) == 1
+    with caplog.at_level("WARNING"):
+        y = torch.ones(3, 5, requires_grad=True)  # a new width: past the limit of 1
+        assert square(y).sum().item() == 30
+        assert square(torch.ones(2, 7, requires_grad=True)).sum().item() == 28
+    assert len(graphs) == 1 and square._eager
+    assert sum("recompile limit" in r.message for r in caplog.records) == 1
+    torch._dynamo.reset()
