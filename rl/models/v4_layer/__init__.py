@@ -1,6 +1,8 @@
 """DeepSeek-V4's decoder layer outside attention, fast on GPUs: hyper-connections, norms, MoE.
 
-`install(model)` (called by `rl.models.loading.load_model` for every V4) swaps transformers'
+`install(model)` (called by `rl.models.loading.load_model` for a V4 when `RL_V4_LAYER=1`:
+`requested()`; off by default, because the DeepSpeed ZeRO-2 / ZeRO-3 trainer tests on a GPU
+(tests/gpu/test_v4_bf16_gpu.py) failed with it on 2026-12-05 and were not diagnosed) swaps transformers'
 decoder layer, hyper-connection mixers, final head, RMSNorms, MoE block and shared expert for the
 subclasses in `modules` (same parameters) and makes `moe.experts_forward` the experts
 implementation. What each replaces and why: `hyper` (mixers and norms: fused functions,
@@ -10,6 +12,8 @@ bf16 the stream mix rounds once where transformers rounds at each step (`hyper`)
 is `rl.models.v4_attention`'s.
 """
 from __future__ import annotations
+
+import os
 
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
@@ -28,6 +32,17 @@ SWAPS = {DeepseekV4DecoderLayer: modules.FusedDecoderLayer,
          DeepseekV4RMSNorm: modules.FusedRMSNorm,
          BoundaryRMSNorm: modules.FusedRMSNorm}
 """transformers' (or v4_precision's) class -> its fused subclass."""
+
+
+ENV = "RL_V4_LAYER"
+
+
+def requested() -> bool:
+    """Whether `load_model` installs the fused layer (`RL_V4_LAYER`: 1 yes, 0 or unset no)."""
+    value = os.environ.get(ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r}; expected 0 or 1")
+    return value == "1"
 
 
 def install(model) -> int:

@@ -1,5 +1,5 @@
-"""rl.models.v4_layer (the fused hyper-connections, norms and MoE that `load_model` installs for
-DeepSeek-V4) against transformers' layer with its eager experts loop, on CPU: values and every
+"""rl.models.v4_layer (the fused hyper-connections, norms and MoE that `load_model` installs with
+`RL_V4_LAYER=1`) against transformers' layer with its eager experts loop, on CPU: values and every
 gradient (router weights included) in fp32 and bf16, for tiny-deepseek-v4 and a V4-Flash-shaped
 small model (4 streams, 20 Sinkhorn iterations, top-6 of 16 experts, a hash-routed layer)."""
 import copy
@@ -56,7 +56,10 @@ def model_dirs(preset_dirs, tmp_path_factory):
 
 def _pair(model_dir, dtype):
     """(fused: as load_model gives it, reference: transformers' layer and eager experts)."""
+    from rl.models import v4_layer
     fused = load_model(model_dir, dtype).train()
+    if not isinstance(fused.model.layers[0], modules.FusedDecoderLayer):
+        v4_layer.install(fused)  # what load_model does with RL_V4_LAYER=1
     ref = copy.deepcopy(fused)
     v4_layer.restore(ref, experts="eager")
     return fused, ref
