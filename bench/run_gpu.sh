@@ -8,6 +8,9 @@
 #                                            V4_LAYER_ARGS adds options)
 #                                            moe_actor (2 H200: V4-shaped actor, EP=2 vs ZeRO-3;
 #                                            MOE_ACTOR_ARGS="--ep 2 --profile" adds a profile)
+#                                            lmhead (one GPU: V4-Flash's LM head fwd+bwd, full
+#                                            logits vs the chunked path at 512 / 1,024 / 2,048
+#                                            rows a chunk; LM_HEAD_ARGS replaces those options)
 #   (fp8gemm: the decode GEMMs, FP8 paths vs BF16 vs the roofline; issue 16's measurement;
 #    fp8gemm_sweep: the same with w8a16's launch settings swept per shape)
 #   (decode_profile: bench/decode_profile.py alone, single-pass attention)
@@ -83,6 +86,10 @@ for s in $sections; do
                 run v4_attention 300 python3 -m bench.v4_attention --out "$OUT" ;;
         v4layer) run v4_layer 420 python3 -m bench.v4_layer --out "$OUT" ${V4_LAYER_ARGS:---profile} ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
+        lmhead) run tests_lm_head 120 python3 -m pytest -q -p no:cacheprovider \
+                    tests/gpu/test_lm_head_gpu.py
+                run lm_head 300 python3 -m bench.lm_head --out "$OUT" \
+                    ${LM_HEAD_ARGS:---chunk-rows 512 1024 2048} ;;
         fp8gemm) run fp8_gemm 240 python3 -m bench.fp8_gemm --out "$OUT" ;;
         fp8gemm_sweep) run fp8_gemm_sweep 420 python3 -m bench.fp8_gemm --sweep --out "$OUT" ;;
         decode_profile) run decode_profile 300 python3 -m bench.decode_profile --attention single \

@@ -36,6 +36,7 @@ DeepSpeed's reduce hooks like `nn.Linear`'s would.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -55,15 +56,28 @@ def _logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
     return logits
 
 
+_fp32_out_mm = True
+"""Whether this torch's CUDA `torch.mm` takes `out_dtype` (set False on the first refusal)."""
+
+
 def _accumulate(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc (fp32) += a @ b with an fp32 result even when `a` and `b` are bf16 (on CUDA the bf16
-    GEMM writes fp32 directly; elsewhere the bf16 operands are widened, which is exact)."""
+    """acc (fp32) += a @ b with an fp32 result even when `a` and `b` are bf16: on CUDA the bf16
+    GEMM writes fp32 directly (`out_dtype`); elsewhere, or where torch lacks it, the operands
+    are widened to fp32, which is exact but slower (logged once)."""
+    global _fp32_out_mm
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-    elif a.is_cuda:
-        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
-    else:
-        acc.addmm_(a.float(), b.float())
+        return
+    if a.is_cuda and _fp32_out_mm:
+        try:
+            acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+            return
+        except (TypeError, RuntimeError, NotImplementedError) as e:
+            _fp32_out_mm = False
+            logging.getLogger(__name__).warning(
+                "torch.mm(out_dtype=float32) failed (%s): the chunked LM head widens its bf16 "
+                "operands to fp32 for the hidden states' gradient instead (slower)", e)
+    acc.addmm_(a.float(), b.float())
 
 
 def _logit_grad(hidden: Tensor, weight_slice: Tensor, col0: int, targets: Tensor, lse: Tensor,
