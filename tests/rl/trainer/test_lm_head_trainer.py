@@ -6,7 +6,6 @@ weights must agree: under ZeRO-3 (the head's weight partitioned, gathered only i
 module's hooks) and ZeRO-2, for tiny Qwen3-MoE (also with the head tied to the embeddings) and
 tiny DeepSeek-V4, in fp32 and in BF16."""
 import json
-import shutil
 
 import pytest
 import torch
@@ -22,23 +21,27 @@ pytestmark = pytest.mark.slow
 
 
 def _tied_dir(model_dir, out):
-    """The preset with `tie_word_embeddings: true` (its lm_head.weight left out: the embedding
-    is the head)."""
+    """The preset with its head tied to the input embeddings (`tie_word_embeddings: true`;
+    the saved files hold the embedding only)."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), tie_word_embeddings=True)
-    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    model.config.tie_word_embeddings = True
+    model.get_output_embeddings().weight = model.get_input_embeddings().weight
     model.save_pretrained(str(out))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (model_dir / name).is_file():
-            shutil.copy(model_dir / name, out / name)
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    back = AutoModelForCausalLM.from_pretrained(str(out))
+    assert back.get_output_embeddings().weight is back.get_input_embeddings().weight
     return out
 
 
 def _run(model_dir, chunked: bool, zero_stage: int, dtype: str) -> dict:
+    # BF16: one optimizer step, so that every statistic comes from the same weights. Adam's
+    # first update is ~lr x sign(gradient): where a gradient is near zero, bf16 rounding flips
+    # its sign and the weights part by 2 lr, which moved a second mini-batch's loss by 1%
+    # (-0.02563 vs -0.02539, measured); fp32 takes two steps.
     cfg = TrainerConfig(num_ranks=2, zero_stage=zero_stage, device="cpu", lr=1e-3,
-                        micro_batch_tokens=24, num_mini_batches=2, grad_clip=1.0,
-                        chunked_lm_head=chunked, lm_head_chunk_rows=7)
+                        micro_batch_tokens=24, num_mini_batches=1 if dtype == "bfloat16" else 2,
+                        grad_clip=1.0, chunked_lm_head=chunked, lm_head_chunk_rows=7)
     # KL runs the reference model's head too; the entropy bonus differentiates the entropy
     algo = AlgorithmConfig(kl_coef=0.05, entropy_coef=0.01)
     port = free_port()
@@ -77,14 +80,18 @@ def test_chunked_head_trains_like_full_logits(tmp_path, preset, zero_stage, dtyp
 
     assert [k["lm_head"] for k in got["kernels"]] == ["chunked"] * 2  # the switch took effect
     assert [k["lm_head"] for k in ref["kernels"]] == ["full"] * 2
-    assert ("lm_head.weight" in got["state"]) == (not tied)  # same names the sync sends
-    assert set(got["state"]) == set(ref["state"])
+    assert set(got["state"]) == set(ref["state"])  # the names the weight sync sends
+    # V4's sync sends DeepSeek's checkpoint names (embed.weight, head.weight)
+    embed = next(n for n in ("model.embed_tokens.weight", "embed.weight") if n in got["state"])
+    heads = [n for n in ("lm_head.weight", "head.weight") if n in got["state"]]
+    assert len(heads) == (0 if tied else 1), heads
     for name, t in got["start"].items():
         assert torch.equal(t, ref["start"][name]), name
     bf16 = dtype == "bfloat16"
     for a, b in zip(got["score"], ref["score"]):
         assert a == pytest.approx(b, abs=1e-5)  # the same logits (model dtype) either way
     s_got, s_ref = got["stats"][0], ref["stats"][0]
+    print({k: (s_got[k], s_ref[k]) for k in sorted(s_ref) if k != "train/tokens_per_s"})
     assert {k: v for k, v in got["stats"][1].items() if k != "train/tokens_per_s"} == {
         k: v for k, v in s_got.items() if k != "train/tokens_per_s"}  # the ranks agree
     assert s_got["train/skipped"] == 0 and s_got["train/grad_norm"] > 0
@@ -94,7 +101,7 @@ def test_chunked_head_trains_like_full_logits(tmp_path, preset, zero_stage, dtyp
 
     # The updated weights. Both paths train (the head and the embeddings move).
     moved = [n for n in got["state"] if not torch.equal(got["state"][n], got["start"][n])]
-    assert "model.embed_tokens.weight" in moved and (tied or "lm_head.weight" in moved)
+    assert embed in moved and all(h in moved for h in heads)
     diffs = []
     for name, t in got["state"].items():
         r = ref["state"][name]
