@@ -15,6 +15,9 @@
 #                                            in both formats on a real ZeRO-3 checkpoint of two
 #                                            V4-Flash layers, vs a plain copy and zero_to_fp32;
 #                                            EXPORT_ARGS replaces "--experts auto --budget-s 480")
+#                                            lmhead (one GPU: V4-Flash's LM head fwd+bwd, full
+#                                            logits vs the chunked path at 512 / 1,024 / 2,048
+#                                            rows a chunk; LM_HEAD_ARGS replaces those options)
 #   (fp8gemm: the decode GEMMs, FP8 paths vs BF16 vs the roofline; issue 16's measurement;
 #    fp8gemm_sweep: the same with w8a16's launch settings swept per shape)
 #   (decode_profile: bench/decode_profile.py alone, single-pass attention)
@@ -96,6 +99,10 @@ for s in $sections; do
         tests_v4layer) run tests_v4layer 360 python3 -m pytest -q -p no:cacheprovider -s \
                            tests/gpu/test_v4_layer_gpu.py ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
+        lmhead) run tests_lm_head 120 python3 -m pytest -q -p no:cacheprovider \
+                    tests/gpu/test_lm_head_gpu.py
+                run lm_head 300 python3 -m bench.lm_head --out "$OUT" \
+                    ${LM_HEAD_ARGS:---chunk-rows 512 1024 2048} ;;
         fp8gemm) run fp8_gemm 240 python3 -m bench.fp8_gemm --out "$OUT" ;;
         fp8gemm_sweep) run fp8_gemm_sweep 420 python3 -m bench.fp8_gemm --sweep --out "$OUT" ;;
         decode_profile) run decode_profile 300 python3 -m bench.decode_profile --attention single \

@@ -449,6 +449,17 @@ class TrainerConfig:
     transformers' eager deepseek_v4 attention, whose (heads x S x S) scores are counted."""
     nvme_path: str = "/local_nvme/deepspeed"
     """Where ZeRO-Infinity puts optimizer state with `optimizer_offload: nvme` (node-local disk)."""
+    chunked_lm_head: bool = True
+    """Compute the log-probs (and the entropy) straight from the final hidden states and the LM
+    head's weight, `lm_head_chunk_rows` rows of logits at a time (`rl.trainer.lm_head`: same
+    values and gradients), instead of materialising the (tokens x vocabulary) logits, their
+    gradient and fp32 copies (8 B per token and vocabulary entry: 17.8 GiB per GPU for
+    DeepSeek-V4-Flash at 18,432 tokens). `false`: the full-logits path. Needs an `nn.Linear`
+    head without bias (every supported model)."""
+    lm_head_chunk_rows: int = 1024
+    """Rows (tokens) of logits the chunked LM head holds at once, forward and backward (its
+    backward holds as many logits, a slice of the vocabulary for every token): about 8 B x rows
+    x vocabulary of working memory (1 GiB at 1,024 rows of V4's 129,280)."""
     expert_parallel_size: int = 1
     """Ranks that split each MoE layer's routed experts (`rl.trainer.expert_parallel`): each
     holds 1/EP of them and tokens are exchanged all-to-all; must divide num_ranks and the
@@ -457,7 +468,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "num_ranks", "lr", "micro_batch_tokens", "ppo_epochs", "num_mini_batches",
-                  "torch_threads")
+                  "torch_threads", "lm_head_chunk_rows")
         _non_negative(self, "weight_decay", "warmup_steps", "grad_clip")
         _check(self.zero_stage in (0, 1, 2, 3), "zero_stage", self.zero_stage, "0, 1, 2 or 3")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", self.betas,
