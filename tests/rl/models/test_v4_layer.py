@@ -56,7 +56,6 @@ def model_dirs(preset_dirs, tmp_path_factory):
 
 def _pair(model_dir, dtype):
     """(fused: as load_model gives it, reference: transformers' layer and eager experts)."""
-    from rl.models import v4_layer
     fused = load_model(model_dir, dtype).train()
     if not isinstance(fused.model.layers[0], modules.FusedDecoderLayer):
         v4_layer.install(fused)  # what load_model does with RL_V4_LAYER=1
@@ -269,8 +268,17 @@ def test_compile_only_with_grad_and_eager_after_the_recompile_limit(monkeypatch,
     torch._dynamo.reset()
     monkeypatch.setattr(compiled, "BACKEND", counting)
     monkeypatch.setenv(compiled.ENV, "1")
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+    # dynamo's own patch: monkeypatch's undo deletes these config entries (vLLM then fails)
+    limits = torch._dynamo.config.patch(recompile_limit=1, automatic_dynamic_shapes=False)
+    limits.__enter__()
+    try:
+        _past_the_limit(graphs, caplog)
+    finally:
+        limits.__exit__(None, None, None)
+        torch._dynamo.reset()
+
+
+def _past_the_limit(graphs, caplog):
     square = compiled.Fused(lambda x: x * x + 1, token_args=1)
     with torch.no_grad():
         square(torch.ones(3, 4))
@@ -284,4 +292,3 @@ def test_compile_only_with_grad_and_eager_after_the_recompile_limit(monkeypatch,
         assert square(torch.ones(2, 7, requires_grad=True)).sum().item() == 28
     assert len(graphs) == 1 and square._eager
     assert sum("recompile limit" in r.message for r in caplog.records) == 1
-    torch._dynamo.reset()
