@@ -38,6 +38,22 @@ def enabled(device: torch.device) -> bool:
     return device.type == "cuda" if value == "auto" else value == "1"
 
 
+ALIGNMENT = 16
+"""Bytes: inductor's Triton kernels assume every input's data pointer is this aligned."""
+
+
+def aligned_args(args: tuple) -> tuple:
+    """`args` with every tensor whose data pointer is off `ALIGNMENT` replaced by a copy.
+
+    DeepSpeed hands the model views into its flat buffers, and one parameter of an odd element
+    count (V4's 3-element hyper-connection `scale`) shifts every later view off 16 bytes (see
+    `rl.trainer.alignment`). Inductor's kernels then fault ("CUDA error: misaligned address",
+    first seen in its autotuning). The misaligned inputs are the hyper-connection and norm
+    weights, a few kB; the copy is differentiable, so their gradients reach the views."""
+    return tuple(a.clone() if isinstance(a, torch.Tensor) and a.data_ptr() % ALIGNMENT else a
+                 for a in args)
+
+
 class Fused:
     """`fn`, run eagerly or compiled (`enabled`); the first `token_args` arguments are
     token-major tensors whose dim 0 is marked dynamic."""
@@ -58,6 +74,7 @@ class Fused:
         if self._compiled is None or self._backend is not BACKEND:
             self._compiled = torch.compile(self.fn, fullgraph=True, backend=BACKEND)
             self._backend = BACKEND
+        args = aligned_args(args)
         for t in args[:self.token_args]:
             if t is not None:
                 torch._dynamo.maybe_mark_dynamic(t, 0)

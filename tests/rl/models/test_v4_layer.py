@@ -13,7 +13,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 from rl.models import v4_layer
 from rl.models.hf_classes import transformers_classes
 from rl.models.loading import load_model
-from rl.models.v4_layer import compiled, modules, moe
+from rl.models.v4_layer import compiled, hyper, modules, moe
 from rl.models.v4_layer.moe import IMPLEMENTATION, experts_forward
 
 # V4-Flash's mixer and router settings (hc_mult 4, 20 Sinkhorn iterations, sqrt-softplus scores
@@ -292,3 +292,33 @@ def _past_the_limit(graphs, caplog):
         assert square(torch.ones(2, 7, requires_grad=True)).sum().item() == 28
     assert len(graphs) == 1 and square._eager
     assert sum("recompile limit" in r.message for r in caplog.records) == 1
+
+
+def test_compiled_functions_get_aligned_inputs(monkeypatch):
+    """DeepSpeed's flat-buffer views can sit off 16 bytes (V4's 3-element `scale`); inductor's
+    kernels then fault on CUDA ("misaligned address"). A compiled call sees aligned copies
+    only, and the gradient still reaches the misaligned view."""
+    pointers = []
+
+    def recording(gm, example_inputs):
+        def run(*inputs):
+            pointers.extend(t.data_ptr() for t in inputs if isinstance(t, torch.Tensor))
+            return gm.forward(*inputs)
+        return run
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled, "BACKEND", recording)
+    monkeypatch.setenv(compiled.ENV, "1")
+    flat = torch.zeros(3 + 8, dtype=torch.bfloat16, requires_grad=True)
+    weight = flat[3:]  # 6 bytes into the buffer, as after the hyper-connection `scale`
+    assert weight.data_ptr() % compiled.ALIGNMENT
+    x = torch.randn(5, 8, dtype=torch.bfloat16, requires_grad=True)
+    try:
+        out = hyper.rms_norm(x, weight, 1e-6)
+    finally:
+        torch._dynamo.reset()
+    assert pointers and all(p % compiled.ALIGNMENT == 0 for p in pointers)
+    out.float().sum().backward()
+    assert flat.grad[3:].abs().sum() > 0 and flat.grad[:3].abs().sum() == 0
+    ref = hyper._rms_norm(x.detach(), weight.detach(), 1e-6)
+    assert torch.equal(out.detach(), ref)
