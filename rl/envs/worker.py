@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pickle
 import sys
-from multiprocessing.connection import Connection
 
 
 def _step(cls, row: dict, state: bytes | None, message: dict) -> tuple[bool, object]:
@@ -27,30 +26,17 @@ def _step(cls, row: dict, state: bytes | None, message: dict) -> tuple[bool, obj
         return False, f"{type(e).__name__}: {e}"[:1000]
 
 
-def main(fd: int, driver_pid: int) -> None:
-    from rl.rewards.worker import _die_with
-    from rl.signals import shield_worker
-    shield_worker()  # stop signals are the driver's; SIGTERM/SIGKILL still end a worker
-    _die_with(driver_pid)
-    conn = Connection(fd)
-    init = conn.recv()
-    sys.path[:] = init["sys_path"]
-    from rl.config import ConfigError
+def _resolve(name: str):
     from rl.envs.protocol import load_environment
-    try:
-        cls = load_environment(init["function"])
-    except ConfigError as e:
-        conn.send(("config_error", str(e)))
-        return
-    conn.send(("imported",))
-    conn.send(("ready",))
-    while True:
-        try:
-            tag, row, state, message = conn.recv()
-        except EOFError:
-            return
-        ok, value = _step(cls, row, state, message)
-        conn.send(("result", tag, ok, value))
+    return load_environment(name)
+
+
+def main(fd: int, driver_pid: int) -> None:
+    from rl.rewards.worker import serve, start
+    started = start(fd, driver_pid, _resolve)
+    if started is not None:
+        conn, _, cls = started
+        serve(conn, lambda row, state, message: _step(cls, row, state, message))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from multiprocessing.connection import Connection
+from typing import Any, Callable
 
 
 def _die_with(driver_pid: int) -> None:
@@ -35,7 +36,12 @@ def _call(fn, response: str, answer: str, meta: dict) -> tuple[bool, object]:
         return False, f"{type(e).__name__}: {e}"[:1000]
 
 
-def main(fd: int, driver_pid: int) -> None:
+def start(fd: int, driver_pid: int, resolve: Callable[[str], Any]
+          ) -> tuple[Connection, dict, Any] | None:
+    """The start of a pool worker (this one and `rl.envs.worker`): leave stop signals to the
+    driver, die with it, read the init message, take its `sys_path`, then `resolve` its
+    `function` (imported after the path is set). Returns (connection, init, what `resolve`
+    gave), or None once a `ConfigError` from `resolve` went back to the driver."""
     from rl.signals import shield_worker
     shield_worker()  # stop signals are the driver's; SIGTERM/SIGKILL still end a worker
     _die_with(driver_pid)
@@ -43,32 +49,48 @@ def main(fd: int, driver_pid: int) -> None:
     init = conn.recv()
     sys.path[:] = init["sys_path"]
     from rl.config import ConfigError
-    from rl.rewards.plugin import resolve_reward_function
     try:
-        fn = resolve_reward_function(init["function"])
+        plugin = resolve(init["function"])
     except ConfigError as e:
         conn.send(("config_error", str(e)))
-        return
+        return None
     conn.send(("imported",))
+    return conn, init, plugin
+
+
+def serve(conn: Connection, handle: Callable[..., tuple[bool, object]]) -> None:
+    """Answer `(tag, *args)` calls with `("result", tag, *handle(*args))` until the driver
+    closes the connection."""
+    conn.send(("ready",))
+    while True:
+        try:
+            tag, *args = conn.recv()
+        except EOFError:
+            return
+        ok, value = handle(*args)
+        conn.send(("result", tag, ok, value))
+
+
+def _resolve(name: str):
+    from rl.rewards.plugin import resolve_reward_function
+    return resolve_reward_function(name)
+
+
+def main(fd: int, driver_pid: int) -> None:
+    started = start(fd, driver_pid, _resolve)
+    if started is None:
+        return
+    conn, init, fn = started
     if init["function"] == "math":
         from rl.rewards.verifiers import math_equal
         math_equal("$\\frac{1}{2}$", "0.5")  # imports sympy, builds the LaTeX parser
         math_equal("$x^2+1$", "1+x^2")  # the first symbolic comparison fills sympy's caches
-    sandbox = None
-    if init["sandbox"] is not None:
-        from rl.rewards.sandbox import Sandbox
-        sandbox = Sandbox(init["sandbox"], init["timeout_s"], init["protect"])
-    conn.send(("ready",))
-    while True:
-        try:
-            tag, response, answer, meta = conn.recv()
-        except EOFError:
-            return
-        if sandbox is None:
-            ok, value = _call(fn, response, answer, meta)
-        else:
-            ok, value = sandbox.call(fn, response, answer, meta)
-        conn.send(("result", tag, ok, value))
+    if init["sandbox"] is None:
+        serve(conn, lambda response, answer, meta: _call(fn, response, answer, meta))
+        return
+    from rl.rewards.sandbox import Sandbox
+    sandbox = Sandbox(init["sandbox"], init["timeout_s"], init["protect"])
+    serve(conn, lambda response, answer, meta: sandbox.call(fn, response, answer, meta))
 
 
 if __name__ == "__main__":
