@@ -57,6 +57,12 @@ def overlong_penalties(lengths: list[int], max_new_tokens: int, buffer: int,
     return [-factor * max(0, n - start) / buffer for n in lengths]
 
 
+def sample_penalties(samples: list, max_new_tokens: int, cfg: AlgorithmConfig) -> list[float]:
+    """`overlong_penalties` of each `rl.rollout.base.Sample` under `cfg`'s buffer and factor."""
+    return overlong_penalties([len(s.response_ids) for s in samples], max_new_tokens,
+                              cfg.overlong_buffer, cfg.overlong_penalty_factor)
+
+
 def zero_spread(groups: list[list], totals: list[float]) -> list[bool]:
     """Per group: True when all its samples' rewards are equal (`totals` in batch order)."""
     out, at = [], 0

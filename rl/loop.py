@@ -24,7 +24,7 @@ from rl.checkpoint import Checkpointer
 from rl.config import Config
 from rl.console import say
 from rl.data.source import PromptSource
-from rl.dynamic_sampling import Round, SamplingStats, fill_batch, overlong_penalties
+from rl.dynamic_sampling import Round, SamplingStats, fill_batch, sample_penalties
 from rl.evaluate import Evaluator, mean_of_last_evals, read_metrics_jsonl
 from rl.faults import FaultInjector
 from rl.pipeline import RolloutBatch, RolloutPipeline, stale_groups, staleness
@@ -337,10 +337,7 @@ class Run:
                     for _ in g]
         parts = self.rewards.score([s.text for s in samples], examples,
                                    cancelled=lambda: self.stop.requested)
-        alg = self.cfg.algorithm
-        penalties = overlong_penalties([len(s.response_ids) for s in samples],
-                                       self.cfg.rollout.max_new_tokens, alg.overlong_buffer,
-                                       alg.overlong_penalty_factor)
+        penalties = sample_penalties(samples, self.cfg.rollout.max_new_tokens, self.cfg.algorithm)
         parts.total = [t + p for t, p in zip(parts.total, penalties)]
         return parts
 
@@ -403,9 +400,8 @@ class Run:
         metrics.update(rollout_metrics(scored.samples, scored.parts, scored.batch.seconds,
                                        cfg.rollout.n_samples, self.rewards.failures,
                                        tokens=sampling.tokens))
-        metrics["reward/overlong_penalty"] = statistics.fmean(overlong_penalties(
-            [len(s.response_ids) for s in scored.samples], cfg.rollout.max_new_tokens,
-            cfg.algorithm.overlong_buffer, cfg.algorithm.overlong_penalty_factor))
+        metrics["reward/overlong_penalty"] = statistics.fmean(sample_penalties(
+            scored.samples, cfg.rollout.max_new_tokens, cfg.algorithm))
         metrics.update(sampling.metrics(self.state.generated_tokens))
         metrics.update(self._step_metrics(scored, sync_stats, seconds, busy))
         self._busy_before = busy
