@@ -91,8 +91,8 @@ def main() -> int:
     overrides = list(args.overrides) + (SMOKE if args.smoke else [])
     if args.combine:
         files = [json.loads(Path(path).read_text()) for path in args.combine]
-        runs = [r for f in files for r in f["rows"] if r.get("seed") is not None]
-        _write(args, overrides, runs, [f"combined from: {f['date']} on {f['device']}, "
+        combined = [r for f in files for r in f["rows"] if r.get("seed") is not None]
+        _write(args, overrides, combined, [f"combined from: {f['date']} on {f['device']}, "
                                        f"`{f['command']}`" for f in files])
         return 0
     from rl.config import load_config
