@@ -102,7 +102,9 @@ def planned(config: dict, run: dict, checkpointing: bool):
             "cluster.rollout.gpus_per_node=1", f"trainer.micro_batch_tokens={run['batch'] * seq}",
             f"rollout.max_model_len={seq}", f"rollout.max_new_tokens={seq}",
             "rollout.quantization=fp8", f"plan.model_config={path}", "plan.overhead_gb=0",
-            f"trainer.activation_checkpointing={str(checkpointing).lower()}"])
+            f"trainer.activation_checkpointing={str(checkpointing).lower()}",
+            # the step below runs the full-logits path (measured before the chunked head)
+            "trainer.chunked_lm_head=false"])
         return check(cfg, "validation")
 
 

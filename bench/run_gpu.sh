@@ -4,10 +4,20 @@
 #   bash bench/run_gpu.sh [sections...]      sections: tests_native rollout sync tests_sync train
 #                                            v4attn (one H200: V4 attention test + benchmark)
 #                                            v4layer (one H200, .whl with transformers 5.19: two
-#                                            V4-Flash layers fwd+bwd, eager vs project path;
-#                                            V4_LAYER_ARGS adds options)
+#                                            V4-Flash layers fwd+bwd, eager vs project vs fused
+#                                            path; V4_LAYER_ARGS adds options)
+#                                            tests_v4layer (the fused V4 layer's GPU test, same
+#                                            machine; its own call: with v4layer it can pass
+#                                            one call's 600 s)
 #                                            moe_actor (2 H200: V4-shaped actor, EP=2 vs ZeRO-3;
 #                                            MOE_ACTOR_ARGS="--ep 2 --profile" adds a profile)
+#                                            export (one GPU, .whl with deepspeed: launch.export
+#                                            in both formats on a real ZeRO-3 checkpoint of two
+#                                            V4-Flash layers, vs a plain copy and zero_to_fp32;
+#                                            EXPORT_ARGS replaces "--experts auto --budget-s 480")
+#                                            lmhead (one GPU: V4-Flash's LM head fwd+bwd, full
+#                                            logits vs the chunked path at 512 / 1,024 / 2,048
+#                                            rows a chunk; LM_HEAD_ARGS replaces those options)
 #   (fp8gemm: the decode GEMMs, FP8 paths vs BF16 vs the roofline; issue 16's measurement;
 #    fp8gemm_sweep: the same with w8a16's launch settings swept per shape)
 #   (decode_profile: bench/decode_profile.py alone, single-pass attention)
@@ -26,6 +36,8 @@
 #    gpu_learn_v4.{json,md}; V4_LEARN_ARGS adds overrides)
 #   (topology: issue 17's Slurm hetjob on GPU nodes, bench/topology_gpu.py; carry .whl, .ray
 #    (bench/ray_slim.sh) and .debs (slurm/testing/fetch_debs.sh))
+#   (v4attn_tests, v4attn_bench: v4attn's two halves, for one call each when both together
+#    could pass a call's 600 s)
 # Writes into $OUT (default bench/results): run.log, gpu_report.jsonl, <bench>.json / .md.
 # Each section has its own time limit, so one hang cannot eat the others. GPU tests run with
 # RL_GPU_STRICT=1 (a skipped GPU test fails: no missing dependency passes as green) and the
@@ -78,11 +90,19 @@ for s in $sections; do
         tests_sync_only) run tests_sync_only 240 python3 -m pytest -q -p no:cacheprovider \
             tests/gpu/test_sync_gpu.py ;;
         train) run train 75 python3 -m bench.train --out "$OUT" ;;
-        v4attn) run tests_v4attn 200 python3 -m pytest -q -p no:cacheprovider -s \
+        v4attn) run tests_v4attn 260 python3 -m pytest -q -p no:cacheprovider -s \
                     tests/gpu/test_v4_attention_gpu.py
                 run v4_attention 300 python3 -m bench.v4_attention --out "$OUT" ;;
-        v4layer) run v4_layer 420 python3 -m bench.v4_layer --out "$OUT" ${V4_LAYER_ARGS:---profile} ;;
+        v4layer) run v4_layer 540 python3 -m bench.v4_layer --out "$OUT" ${V4_LAYER_ARGS:---profile} ;;
+        export) run export 560 python3 -m bench.export --out "$OUT" \
+                    ${EXPORT_ARGS:---experts auto --budget-s 480} ;;
+        tests_v4layer) run tests_v4layer 360 python3 -m pytest -q -p no:cacheprovider -s \
+                           tests/gpu/test_v4_layer_gpu.py ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
+        lmhead) run tests_lm_head 120 python3 -m pytest -q -p no:cacheprovider \
+                    tests/gpu/test_lm_head_gpu.py
+                run lm_head 300 python3 -m bench.lm_head --out "$OUT" \
+                    ${LM_HEAD_ARGS:---chunk-rows 512 1024 2048} ;;
         fp8gemm) run fp8_gemm 240 python3 -m bench.fp8_gemm --out "$OUT" ;;
         fp8gemm_sweep) run fp8_gemm_sweep 420 python3 -m bench.fp8_gemm --sweep --out "$OUT" ;;
         decode_profile) run decode_profile 300 python3 -m bench.decode_profile --attention single \
@@ -112,6 +132,9 @@ for s in $sections; do
                       rollout.engine=hf reward.function=exact \
                       ${V4_LEARN_ARGS:-} ;;
         topology) run topology 560 python3 -m bench.topology_gpu --out "$OUT" ;;
+        v4attn_tests) run tests_v4attn 560 python3 -m pytest -q -p no:cacheprovider -s \
+                          tests/gpu/test_v4_attention_gpu.py ;;
+        v4attn_bench) run v4_attention 560 python3 -m bench.v4_attention --out "$OUT" ;;
         r3) run routing_replay 240 python3 -m bench.routing_replay --out "$OUT" ;;
         tests_colocated) run tests_colocated 240 python3 -m pytest -q -p no:cacheprovider \
                              tests/gpu/test_colocated_gpu.py ;;

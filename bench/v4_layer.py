@@ -1,6 +1,7 @@
 """Two DeepSeek-V4-Flash decoder layers, forward + backward on one GPU: step time, MFU on active
-parameters (and with the attention core's FLOPs), peak memory, for transformers' eager attention
-and the project's current path in the same run, against the physical limit.
+parameters (and with the attention core's FLOPs), peak memory, for transformers' eager attention,
+the project's previous path and its current one (`fused`) in the same run, against the physical
+limit.
 
 The model is transformers' `DeepseekV4ForCausalLM` at the published V4-Flash dims
 (`rl/plan/known/DeepSeek-V4-Flash.json`) cut to 2 layers, one CSA (compressed_sparse_attention,
@@ -12,13 +13,19 @@ compressor position biases drawn N(0, 1): their init is 0), one sequence of S ra
 loss = transformers' cross-entropy on the shifted tokens. One step = forward + backward; no
 optimizer, no DeepSpeed, no activation checkpointing (the trainer's default).
 
-Paths (same weights, same tokens, one process; experts through transformers' `grouped_mm`):
+Paths (same weights, same tokens, one process):
 - eager: transformers' `DeepseekV4Attention`, eager attention ((heads x S x (S+T)) scores), plus
   the project's fp32-norm boundary cast (`rl.models.v4_precision`) without which BF16 V4 cannot
-  run a forward in transformers 5.19.
-- project: what `load_model` builds for the trainer now: `v4_precision` plus
-  `rl.models.v4_attention` (Triton forward and per-block recompute backward on a GPU, the
-  chunked torch path on a CPU).
+  run a forward in transformers 5.19; transformers' decoder layer, `grouped_mm` experts.
+- project: the project's path before `rl.models.v4_layer`: `v4_precision` plus
+  `rl.models.v4_attention` (Triton forward and backward on a GPU, `RL_V4_ATTENTION_BWD=torch`
+  for the older per-block recompute backward; the chunked torch path on a CPU); transformers'
+  decoder layer, `grouped_mm` experts.
+- fused: what `load_model` builds with `RL_V4_LAYER=1`: `project` plus `rl.models.v4_layer`
+  (hyper-connections and norms as fused functions, compiled on CUDA; experts as one sort and two
+  grouped GEMMs without scatter-adds).
+- fused_nocompile (not run unless named): `fused` with `RL_V4_COMPILE=0`, the same functions
+  eagerly: what the compiler adds.
 
 FLOPs: 6 x active parameters x tokens, active = every parameter but the input embedding, routed
 experts at top_k / E (as `bench.moe_actor`; the indexer, which gets no gradient, is counted at 6
@@ -29,13 +36,14 @@ visible entry). MFU divides by the bf16 matmul rate measured in the same run
 (`bench.common.measure_bf16_peak`); `limit_s` is the time both FLOP counts take at that rate.
 Left out: the optimizer step, hash-routed layers, sliding-only layers, padding / packing.
 
-Run: python -m bench.v4_layer [--tokens 8192 18432] [--paths eager project] [--reps 5]
+Run: python -m bench.v4_layer [--tokens 8192 18432] [--paths eager project fused] [--reps 5]
      [--profile]
 """
 from __future__ import annotations
 
 import gc
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -47,7 +55,8 @@ from bench.common import device_info, measure_bf16_peak, parse_args, sync, write
 GiB = 2 ** 30
 FLASH_JSON = Path(__file__).resolve().parents[1] / "rl/plan/known/DeepSeek-V4-Flash.json"
 LAYER_TYPES = ["compressed_sparse_attention", "heavily_compressed_attention"]
-PATHS = ("eager", "project")
+PATHS = ("eager", "project", "fused")
+ALL_PATHS = PATHS + ("fused_nocompile",)
 TARGET_MFU = 0.35
 # Small enough for a CPU in seconds; 8 indexer heads (fewer make top-k ties, see NOTES.md),
 # windows and rates that several query positions cross at 64 tokens.
@@ -91,21 +100,35 @@ def build_model(config, device, dtype=torch.bfloat16):
     return model.train()
 
 
+_USER_COMPILE = os.environ.get("RL_V4_COMPILE")
+"""RL_V4_COMPILE as the run was started (`fused` keeps it; `fused_nocompile` sets 0)."""
+
+
 def use_path(model, path: str) -> None:
-    """Switch the attention modules of `model` to `path` (eager or project) in place."""
+    """Switch `model` to `path` (see the module docstring) in place."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
 
-    from rl.models import v4_attention
+    from rl.models import v4_attention, v4_layer
     from rl.models.v4_attention.module import LinearV4Attention
-    if path == "project":
-        v4_attention.install(model)
-    elif path == "eager":
+    from rl.models.v4_layer import compiled
+    if path not in ALL_PATHS:
+        raise ValueError(f"path {path!r}; expected one of {ALL_PATHS}")
+    v4_layer.restore(model, experts="grouped_mm")
+    if path == "fused_nocompile":
+        os.environ[compiled.ENV] = "0"
+    elif _USER_COMPILE is None:
+        os.environ.pop(compiled.ENV, None)
+    else:
+        os.environ[compiled.ENV] = _USER_COMPILE
+    if path == "eager":
         model.set_attn_implementation("eager")
         for module in model.modules():
             if type(module) is LinearV4Attention:
                 module.__class__ = DeepseekV4Attention
-    else:
-        raise ValueError(f"path {path!r}; expected one of {PATHS}")
+        return
+    v4_attention.install(model)
+    if path.startswith("fused"):
+        v4_layer.install(model)
 
 
 def active_params(model) -> int:
@@ -228,26 +251,34 @@ def notes_on(rows: list[dict], smoke: bool) -> list[str]:
         at = {r["path"]: r for r in rows if r["tokens"] == seq and r["result"] == "ok"}
         ours = [r for p, r in at.items() if p != "eager"]
         if ours:
+            # the best of the project's paths decides; each one's figure is listed
             best = max(ours, key=lambda r: r["MFU_active"])
             met = "MET" if best["MFU_active"] >= TARGET_MFU else "NOT MET"
+            each = ", ".join(f"{r['path']}: {r['MFU_active']:.1%}"
+                             for r in sorted(ours, key=lambda r: -r["MFU_active"]))
             notes.append(f"target >= {TARGET_MFU:.0%} MFU on active params at {seq:,} tokens: "
-                         f"{met} ({best['path']}: {best['MFU_active']:.1%}"
-                         f"{', smoke run: not a measurement' if smoke else ''})")
+                         f"{met} ({each}{', smoke run: not a measurement' if smoke else ''})")
         else:
             notes.append(f"target at {seq:,} tokens not decided: no project path ran")
-        if "eager" in at:
+        for base in ("eager", "project"):
+            if base not in at:
+                continue
             for path, r in at.items():
-                if path != "eager":
-                    rel = abs(r["loss"] - at["eager"]["loss"]) / abs(at["eager"]["loss"])
-                    notes.append(f"loss {path} vs eager at {seq:,} tokens: {r['loss']:.5f} vs "
-                                 f"{at['eager']['loss']:.5f} (relative difference {rel:.1e})")
+                if path in ("eager", base):
+                    continue
+                ref = at[base]
+                rel = abs(r["loss"] - ref["loss"]) / abs(ref["loss"])
+                grad = r["grad_norm"] / ref["grad_norm"] - 1
+                notes.append(f"loss {path} vs {base} at {seq:,} tokens: {r['loss']:.5f} vs "
+                             f"{ref['loss']:.5f} (relative difference {rel:.1e}); gradient "
+                             f"norm {grad:+.1e} relative")
     return notes
 
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], lambda p: (
         p.add_argument("--tokens", type=int, nargs="+", default=[8192, 18432]),
-        p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS),
+        p.add_argument("--paths", nargs="+", default=list(PATHS), choices=ALL_PATHS),
         p.add_argument("--experts", type=int, default=64),
         p.add_argument("--warmup", type=int, default=2),
         p.add_argument("--reps", type=int, default=5),
@@ -302,8 +333,10 @@ def main() -> None:
              f"MFU against the bf16 matmul rate measured in this run, {peak:,.0f} TFLOP/s "
              "(datasheet dense bf16 for H100/H200 SXM: ~989); limit_s = (6 x active x tokens + "
              "attention-core FLOPs) at that rate",
-             "eager = transformers' attention (+ rl.models.v4_precision); project = "
-             "rl.models.v4_attention as load_model installs it; both grouped_mm experts"]
+             "eager = transformers' attention and layer (+ rl.models.v4_precision); project = "
+             "+ rl.models.v4_attention (the project's path before rl.models.v4_layer); both "
+             "grouped_mm experts; fused = + rl.models.v4_layer (compiled on CUDA), what "
+             "load_model installs with RL_V4_LAYER=1"]
     name = "v4_layer_smoke" if args.smoke else "v4_layer"
     notes += notes_on(rows, args.smoke)
     if args.profile:

@@ -37,6 +37,18 @@ def check_slurm_params_or_exit(cfg: Config) -> None:
         fail(f"config error: cluster.slurm_params: {e}")
 
 
+def check_trackers_or_exit(cfg: Config) -> str:
+    """Exit 2 when `logging.wandb` or `logging.mlflow` is enabled but its package cannot be
+    imported here, naming the key and the pip extra (`rl.metrics.tracking.check_packages`).
+    Returns the trackers checked, e.g. `wandb, mlflow` ('' when none is enabled)."""
+    from rl.metrics.tracking import check_packages, enabled_trackers
+    try:
+        check_packages(cfg.logging)
+    except ConfigError as e:
+        fail(f"config error: {e}")
+    return ", ".join(enabled_trackers(cfg.logging))
+
+
 def check_resume_or_exit(cfg: Config, force: bool, read_data: bool = True) -> None:
     """Exit 2 when RUN_DIR/config.yaml holds a config that differs from `cfg` in keys that matter
     (`rl.resume.RESUME_KEYS` classifies every key), or when the data's content differs from what

@@ -2,7 +2,8 @@
 
 Prints, from `RUN_DIR/trajectories.h5`, the row and step counts and one line per step (mean
 reward, response length, weight versions), then a few samples decoded with the run's own
-tokenizer (`--tokenizer PATH`, else `RUN_DIR/model` when it exists, else the model directory the
+tokenizer, a multi-turn one turn by turn with its tool calls and observations
+(`--tokenizer PATH`, else `RUN_DIR/model` when it exists, else the model directory the
 run started from, found from `RUN_DIR/config.yaml`: its SFT warm start or its model; token ids
 when none loads, or with `--ids`), and the last eval accuracy from `RUN_DIR/tensorboard`.
 `--plot` writes `RUN_DIR/curves.png`: reward per step and eval/pass1. Works on a live run
@@ -57,25 +58,12 @@ def _load_tokenizer(path: Path | None) -> Any | None:
 def run_tokenizer_dir(run_dir: Path) -> Path | None:
     """The model directory the run started from (holding its tokenizer), or None.
 
-    Found from RUN_DIR/config.yaml (`rl.sft.run_model_dir`). Its paths are relative to where the
-    run was started: tried from the current directory, then from each directory above RUN_DIR.
+    Found from RUN_DIR/config.yaml (`rl.sft.find_run_model_dir`); when no candidate directory
+    exists, the path as named (`_load_tokenizer` then says it found no tokenizer there).
     """
-    saved = run_dir / "config.yaml"
-    if not saved.is_file():
-        return None
-    import yaml
-
-    from rl.sft import run_model_dir
-    try:
-        path = run_model_dir(yaml.safe_load(saved.read_text()))
-    except (yaml.YAMLError, KeyError, TypeError, AttributeError):
-        return None
-    if path.is_absolute():
-        return path
-    for base in (Path.cwd(), *run_dir.resolve().parents):
-        if (base / path).is_dir():
-            return base / path
-    return path  # not found: _load_tokenizer says so
+    from rl.sft import find_run_model_dir
+    named, found = find_run_model_dir(run_dir)
+    return found or named
 
 
 def _text(tokenizer: Any | None, ids: Any) -> str:
@@ -103,8 +91,28 @@ def summarize(reader: TrajectoryReader, num_samples: int, tokenizer: Any | None)
                      f"{row['prompt_index']}#{row['sample_index']}, reward {row['reward']:.3f}, "
                      f"advantage {row['advantage']:+.3f}, finish {row['finish_reason']}")
         lines.append(f"   prompt:   {_text(tokenizer, row['prompt_ids'])}")
-        lines.append(f"   response: {_text(tokenizer, row['response_ids'])}")
+        if row.get("episode"):
+            lines += _episode_lines(row, tokenizer)
+        else:
+            lines.append(f"   response: {_text(tokenizer, row['response_ids'])}")
     return lines
+
+
+def _episode_lines(row: dict, tokenizer: Any | None) -> list[str]:
+    """A multi-turn row: each model turn, its tool calls and the observation that followed (the
+    environment's tokens: context, masked out of the loss)."""
+    ep, ids = row["episode"], row["response_ids"]
+    mask = row.get("loss_mask")
+    env = int(len(mask) - mask.sum()) if mask is not None and len(mask) else 0
+    out = [f"   episode:  {len(ep['turns'])} turns, {env} environment tokens (masked)"
+           + (f", environment failed: {ep['error']}" if ep.get("error") else "")]
+    for k, turn in enumerate(ep["turns"], 1):
+        out.append(f"   turn {k}:   {_text(tokenizer, ids[turn['start']:turn['end']])}")
+        for name, args in turn["tool_calls"]:
+            out.append(f"     tool call: {name}({args!r})")
+        if turn["observation"] is not None:
+            out.append(f"     observation: {turn['observation']!r}")
+    return out
 
 
 def plot(run_dir: Path, reader: TrajectoryReader | None, evals: list[tuple[int, float]]) -> Path:

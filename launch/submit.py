@@ -31,7 +31,7 @@ from job.rundir import RunDirBusy, RunDirLock, archive_run_dir
 from launch.checks import (Preflight, check_data_or_exit, check_engine_or_exit,
                            check_expert_parallel_or_exit, check_resume_or_exit,
                            check_rollout_checkpoint_or_exit, check_slurm_params_or_exit,
-                           check_placement_or_exit, missing_data_files)
+                           check_placement_or_exit, check_trackers_or_exit, missing_data_files)
 from launch.common import EXIT_USAGE, config_parser, fail, load_or_exit, split_config_args
 from rl import private_files
 from rl.config import ConfigError
@@ -194,10 +194,13 @@ def run_checks(cfg, args) -> Preflight:
     """Everything that can be refused, refused here (exit 2, one line), before Ray, engines or
     an allocation; returns what ran and what could not run on this machine (for --dry-run)."""
     done = Preflight()
+    trackers = check_trackers_or_exit(cfg)
     check_slurm_params_or_exit(cfg)
     check_expert_parallel_or_exit(cfg)
     check_placement_or_exit(cfg)
     done.ran += ["Slurm options", "expert parallelism", "placement and sync backend"]
+    if trackers:
+        done.ran.append(f"tracker packages ({trackers})")
     if args.no_resume:
         done.skipped.append(("resume", "--no-resume: the old run directory is moved aside"))
     else:

@@ -29,8 +29,9 @@ generates exactly what the uninterrupted one did. With `max_staleness >= 1` the 
 generated ahead (its staleness as usual) and the refill rounds with the current weights.
 
 The overlong penalty (`algorithm.overlong_buffer` > 0) lowers the training reward of a response
-longer than `max_new_tokens - overlong_buffer` tokens linearly, to `-overlong_penalty_factor` at
-`max_new_tokens`; evaluation scores are not penalised.
+longer than `budget - overlong_buffer` tokens linearly, to `-overlong_penalty_factor` at
+`budget` (`Config.response_budget`: rollout.max_new_tokens, or a multi-turn episode's
+env.max_response_tokens); evaluation scores are not penalised.
 """
 from __future__ import annotations
 

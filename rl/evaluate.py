@@ -14,11 +14,13 @@ class Evaluator:
     """The periodic held-out evaluation: when it is due, running it (with engine recovery), and
     the evaluation a stop skipped, which the resumed run owes (`pending`)."""
 
-    def __init__(self, cfg, source, rollout, publisher, reward_pool=None) -> None:
+    def __init__(self, cfg, source, rollout, publisher, reward_pool=None, episodes=None) -> None:
         """`source`: `rl.data.source.PromptSource`; `rollout`: `rl.cluster.facades.RolloutGroup`;
         `publisher`: `rl.publisher.WeightPublisher`; `reward_pool`: the training rewards'
-        `rl.rewards.RewardPool`, shared (None: this evaluator starts its own)."""
+        `rl.rewards.RewardPool`, shared (None: this evaluator starts its own); `episodes`: the
+        run's `rl.envs.generator.MultiTurnGenerator` (multi-turn: the environment scores)."""
         self.cfg, self.source, self.rollout, self.publisher = cfg, source, rollout, publisher
+        self.episodes = episodes
         # Its own failure count (reward/failures is the training samples'), the workers shared.
         self.rewards = RewardComputer(cfg.reward, pool=reward_pool)
         self.last: dict = {}
@@ -34,11 +36,20 @@ class Evaluator:
         """The metrics of evaluating the current weights as `step`'s. When `cancelled()` turns
         true while the responses are scored, {}: the evaluation is left `pending`."""
         cfg = self.cfg
+        if self.episodes is not None:
+            def run():
+                return evaluate_episodes(
+                    self.episodes.runner(cancelled or (lambda: False)), self.source.eval_ids,
+                    self.source.eval_set, cfg.rollout.max_new_tokens, cfg.eval.pass_k,
+                    cfg.eval.pass_k_temperature, seed=10_007 + step, cancelled=cancelled)
+        else:
+            def run():
+                return evaluate(
+                    self.rollout, self.source.eval_ids, self.source.eval_set, self.rewards,
+                    self.source.tokenizer, cfg.rollout.max_new_tokens, cfg.eval.pass_k,
+                    cfg.eval.pass_k_temperature, seed=10_007 + step, cancelled=cancelled)
         try:
-            self.last = self.publisher.retry("evaluate", lambda: evaluate(
-                self.rollout, self.source.eval_ids, self.source.eval_set, self.rewards,
-                self.source.tokenizer, cfg.rollout.max_new_tokens, cfg.eval.pass_k,
-                cfg.eval.pass_k_temperature, seed=10_007 + step, cancelled=cancelled), step=step)
+            self.last = self.publisher.retry("evaluate", run, step=step)
         except StepAbandoned:
             self.pending = step
             return {}
@@ -83,6 +94,34 @@ def evaluate(rollout, prompt_ids: list[list[int]], examples: list[Example], rewa
         for i in range(len(examples)):
             hits += any(c >= 1.0 for c in corr[i * pass_k:(i + 1) * pass_k])
         out["eval/pass_k"] = hits / max(len(examples), 1)
+    return out
+
+
+def evaluate_episodes(runner, prompt_ids: list[list[int]], examples: list[Example],
+                      max_new_tokens: int, pass_k: int, temperature: float, seed: int,
+                      cancelled=None) -> dict:
+    """`evaluate` for multi-turn episodes (`runner`: `rl.envs.episodes.EpisodeRunner`): the
+    environment's reward decides (>= 1 is a pass); also `eval/` turns and tool-call rates."""
+    from rl.envs.generator import example_row
+    from rl.envs.scoring import episode_metrics
+    if not examples:
+        return {}
+    rows = [example_row(ex) for ex in examples]
+    greedy = runner.run(prompt_ids, rows, SamplingParams(
+        n=1, temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens, seed=seed),
+        seed, cancelled)
+    samples = [g[0] for g in greedy]
+    rewards = [s.env_reward or 0.0 for s in samples]
+    out = {"eval/pass1": sum(r >= 1.0 for r in rewards) / len(examples),
+           "eval/mean_reward": sum(rewards) / len(examples),
+           "eval/env_failures": float(sum(s.env_error is not None for s in samples)),
+           **episode_metrics(samples, "eval/")}
+    if pass_k > 1:
+        sampled = runner.run(prompt_ids, rows, SamplingParams(
+            n=pass_k, temperature=temperature, top_p=1.0, top_k=-1,
+            max_new_tokens=max_new_tokens, seed=seed + 1), seed + 1, cancelled)
+        out["eval/pass_k"] = sum(any((s.env_reward or 0.0) >= 1.0 for s in g)
+                                 for g in sampled) / len(examples)
     return out
 
 

@@ -4,7 +4,9 @@
 Reads one checkpoint (`rl.checkpoint` layout) offline, in one CPU process, and writes the actor in
 the checkpoint names `rl.models.name_maps.to_engine_weights` gives (what `presets.save_model`
 writes, what transformers and vLLM load), sharded safetensors with `model.safetensors.index.json`,
-plus the run's model directory's config, tokenizer and generation config.
+plus the run's model directory's config, tokenizer and generation config. The `deepseek-v4`
+format (`rl.export_deepseek`) reads the same tensor stream (`model_tensors`) and writes it in
+DeepSeek's published FP8/FP4 layout.
 
 Where the tensors come from (`trainer_tensors`, in HF in-memory names):
   * ZeRO 0-2: rank 0's `mp_rank_00_model_states.pt` holds the whole module in the training dtype
@@ -96,22 +98,10 @@ def find_checkpoint(run_dir: Path, step: int | None = None, verify: bool = True
 
 def run_model_dir(run_dir: Path) -> Path | None:
     """The model directory the run started from (its config and tokenizer), from
-    RUN_DIR/config.yaml; relative paths tried from here, then from each directory above
-    RUN_DIR. None when config.yaml is missing or names nothing that exists."""
-    saved = Path(run_dir) / "config.yaml"
-    if not saved.is_file():
-        return None
-    import yaml
-
-    from rl.sft import run_model_dir as from_config
-    try:
-        path = from_config(yaml.safe_load(saved.read_text()))
-    except (yaml.YAMLError, KeyError, TypeError, AttributeError):
-        return None
-    for base in ([Path()] if path.is_absolute() else [Path.cwd(), *Path(run_dir).resolve().parents]):
-        if (base / path / "config.json").is_file():
-            return base / path
-    return None
+    RUN_DIR/config.yaml (`rl.sft.find_run_model_dir`): the first candidate that holds a
+    config.json, None when config.yaml is missing or names nothing that exists."""
+    from rl.sft import find_run_model_dir
+    return find_run_model_dir(run_dir, holds="config.json")[1]
 
 
 # ---- the trainer's tensors -------------------------------------------------------------------
@@ -238,12 +228,15 @@ def _dtype_rule(model, dtype: torch.dtype) -> Callable[[str, torch.Tensor], torc
     return rule
 
 
-class _ShardWriter:
+class ShardWriter:
     """Tensors into `model-NNNNN.safetensors` files of at most `max_bytes` (a larger tensor gets
-    a file of its own), renamed `-of-TOTAL` and indexed at `finish`."""
+    a file of its own), renamed `-of-TOTAL` and indexed at `finish`; a single file becomes
+    `model.safetensors` without an index, unless `always_index`."""
 
-    def __init__(self, out: Path, max_bytes: int, say: Callable[[str], None]):
+    def __init__(self, out: Path, max_bytes: int, say: Callable[[str], None],
+                 always_index: bool = False):
         self.out, self.max_bytes, self.say = out, max_bytes, say
+        self.always_index = always_index
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
         self.files: list[tuple[Path, list[str]]] = []
@@ -274,7 +267,7 @@ class _ShardWriter:
 
     def finish(self) -> list[str]:
         self.flush()
-        if len(self.files) == 1:
+        if len(self.files) == 1 and not self.always_index:
             path, _ = self.files[0]
             path.rename(self.out / "model.safetensors")
             return ["model.safetensors"]
@@ -302,54 +295,66 @@ def prepare_out(out: Path, force: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def model_tensors(checkpoint: Path, model, cast: Callable[[str, torch.Tensor], torch.Tensor],
+                  stats: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) for every tensor of `model` (a meta-device model of the run's
+    architecture) in checkpoint `checkpoint`, one at a time: each in-memory tensor read, passed
+    through `cast(in-memory name, tensor)` and split into its checkpoint tensors
+    (`to_engine_weights`). Raises ExportError for a tensor the model does not have or lacks;
+    `stats["largest_tensor_bytes"]`: the largest cast tensor."""
+    from rl.models.name_maps import to_engine_weights
+    expected = set(model.state_dict())
+    seen: set[str] = set()
+    stats["largest_tensor_bytes"] = 0
+    for name, read in trainer_tensors(checkpoint / "trainer"):
+        if name not in expected:
+            raise ExportError(f"{checkpoint}: tensor {name} is not part of the "
+                              f"{model.config.model_type} model")
+        t = cast(name, read()).contiguous()
+        stats["largest_tensor_bytes"] = max(stats["largest_tensor_bytes"],
+                                            t.numel() * t.element_size())
+        seen.add(name)
+        for wire, piece in to_engine_weights(model, [(name, t)]):
+            yield wire, piece.contiguous()
+        del t
+    if missing := sorted(expected - seen):
+        raise ExportError(f"{checkpoint}: no tensor for {missing[0]} (and {len(missing) - 1} "
+                          "more) of the model")
+
+
 def export_hf(checkpoint: Path, model_dir: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES,
               say: Callable[[str], None] = print) -> dict:
     """Write checkpoint `checkpoint`'s actor into `out` (prepared by `prepare_out`) in `dtype`
     (fp32-kept modules stay fp32), with `model_dir`'s config, tokenizer and generation config.
     Returns the record also written to `out/export.json`."""
-    from rl.models.name_maps import to_engine_weights
-
     checkpoint, model_dir, out = Path(checkpoint), Path(model_dir), Path(out)
     t0 = time.perf_counter()
     model = _meta_model(model_dir)
     rule = _dtype_rule(model, dtype)
-    expected = set(model.state_dict())
-    writer = _ShardWriter(out, max_shard_bytes, say)
-    seen: set[str] = set()
-    largest = 0
-    for name, read in trainer_tensors(checkpoint / "trainer"):
-        if name not in expected:
-            raise ExportError(f"{checkpoint}: tensor {name} is not part of the "
-                              f"{model.config.model_type} model of {model_dir}")
-        t = read()
-        t = t.to(rule(name, t)).contiguous()
-        largest = max(largest, t.numel() * t.element_size())
-        seen.add(name)
-        for wire, piece in to_engine_weights(model, [(name, t)]):
-            writer.add(wire, piece.contiguous())
-        del t
-    if missing := sorted(expected - seen):
-        raise ExportError(f"{checkpoint}: no tensor for {missing[0]} (and {len(missing) - 1} "
-                          "more) of the model")
+    writer = ShardWriter(out, max_shard_bytes, say)
+    stats: dict = {}
+    for name, t in model_tensors(checkpoint, model, lambda n, t: t.to(rule(n, t)), stats):
+        writer.add(name, t)
     shards = writer.finish()
-    _copy_model_files(model_dir, out, dtype)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    copy_model_files(model_dir, out, config)
     record = {"format": "hf", "checkpoint": str(checkpoint.resolve()), "model_dir": str(model_dir),
               "dtype": str(dtype).removeprefix("torch."), "shards": shards,
               "bytes": writer.total_bytes, "seconds": round(time.perf_counter() - t0, 3),
-              "largest_tensor_bytes": largest, "largest_shard_bytes": writer.peak_bytes}
+              **stats, "largest_shard_bytes": writer.peak_bytes}
     (out / "export.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 
-def _copy_model_files(model_dir: Path, out: Path, dtype: torch.dtype) -> None:
-    """config.json (with the export's dtype), tokenizer and generation config of `model_dir`."""
+def copy_model_files(model_dir: Path, out: Path, config: dict) -> None:
+    """`config` as config.json, and `model_dir`'s tokenizer, generation config and other files
+    that are not weights."""
     for p in sorted(model_dir.iterdir()):
         if p.is_file() and p.name not in _SKIP_FILES and not p.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copyfile(p, out / p.name)
-    config = json.loads((model_dir / "config.json").read_text())
-    config["dtype"] = str(dtype).removeprefix("torch.")
-    config.pop("torch_dtype", None)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for p in out.iterdir():
         os.chmod(p, 0o644)

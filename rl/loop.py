@@ -25,6 +25,8 @@ from rl.config import Config
 from rl.console import say
 from rl.data.source import PromptSource
 from rl.dynamic_sampling import Round, SamplingStats, fill_batch, sample_penalties
+from rl.envs.generator import MultiTurnGenerator, start_pool
+from rl.envs.scoring import EnvScorer, episode_metrics
 from rl.evaluate import Evaluator, mean_of_last_evals, read_metrics_jsonl
 from rl.faults import FaultInjector
 from rl.pipeline import RolloutBatch, RolloutPipeline, stale_groups, staleness
@@ -130,8 +132,10 @@ def run(cfg: Config, *, resume: bool = True, force: bool = False,
         stop: StopRequest | None = None, restart: RestartInfo = RestartInfo()) -> RunResult:
     """`restart`: how this life began (the launcher reads the scheduler's environment)."""
     from rl.cluster.placement import choose_placement, sync_backend
+    from rl.metrics.tracking import check_packages
     from rl.sft import warm_start_dir
     sync_backend(cfg, choose_placement(cfg))  # ConfigError now, not after the warm start
+    check_packages(cfg.logging)  # W&B / MLflow importable here (the job's nodes) too
     private_files.run_dir(cfg.run_dir)  # 0700; ConfigError when another user owns it
     setup_logging(cfg.run_dir)
     check_and_save_config(cfg, resume, force)
@@ -143,7 +147,7 @@ def run(cfg: Config, *, resume: bool = True, force: bool = False,
         result = r.train()
         failed = False
     finally:
-        r.close(failed)
+        r.close(failed, status=None if failed else result.status)
     if result.status == "done" and cfg.checkpoint.export_final:
         from rl.export import export_final  # after close: the workers' memory is free again
         try:
@@ -163,6 +167,10 @@ class Run:
     source: PromptSource
     """Train/eval prompts, encoded, and the seeded sampler."""
     rewards: RewardComputer
+    episodes: MultiTurnGenerator | None
+    """Multi-turn episodes against `env.path`'s environment (None: single-turn rollouts)."""
+    env_scorer: EnvScorer
+    """The episodes' rewards and the count of failed ones."""
     runtime: Runtime
     """The trainer ranks and rollout engines."""
     publisher: WeightPublisher
@@ -183,6 +191,8 @@ class Run:
         self.state = TrainState()
         self.source = PromptSource.from_model_dir(cfg, model_dir)
         self.rewards = RewardComputer(cfg.reward, protect=protected_paths(cfg))  # its workers
+        env_pool = start_pool(cfg)  # the environment's workers (ConfigError: cannot import it)
+        self.env_scorer = EnvScorer()
         self.recorder = Recorder(cfg)
         opt_steps = cfg.num_steps * cfg.trainer.ppo_epochs * cfg.trainer.num_mini_batches
         self.runtime = Runtime(cfg, str(model_dir), total_optimizer_steps=opt_steps)
@@ -190,16 +200,20 @@ class Run:
         self.restart = RestartInfo()
         self.publisher = WeightPublisher(cfg, self.runtime, self.source.probe(),
                                          lambda: self.state.step + 1, self.faults)
+        generator = Generator(self.runtime, self.publisher)
+        self.episodes = (None if env_pool is None else MultiTurnGenerator.from_config(
+            cfg, generator, self.source.tokenizer, env_pool))
         self.evaluator = Evaluator(cfg, self.source, self.runtime.rollout, self.publisher,
-                                   reward_pool=self.rewards.pool)
+                                   reward_pool=self.rewards.pool, episodes=self.episodes)
         self.pipeline = RolloutPipeline(
-            cfg, self.source, Generator(self.runtime, self.publisher),
+            cfg, self.source, self.episodes or generator,
             SamplingParams.from_rollout(cfg.rollout,
                                         return_routing=cfg.algorithm.routing_replay == "r3"),
             stop,
             checkpoint_seconds=lambda: self.checkpointer.last_seconds)
         self.checkpointer = Checkpointer(
-            cfg, self.runtime.trainer, [self.state, self.publisher, self.evaluator, self.rewards],
+            cfg, self.runtime.trainer,
+            [self.state, self.publisher, self.evaluator, self.rewards, self.env_scorer],
             self.source, self.pipeline, resume_hash(cfg), resume_hashes(cfg))
         self._busy_before = 0.0
 
@@ -279,7 +293,8 @@ class Run:
         """The step's rollout batch, scored; None when a stop abandoned the step (the prompt
         sampler and the counters are back where they were)."""
         cfg, state, stop, pipe = self.cfg, self.state, self.stop, self.pipeline
-        before = (self.source.state_dict(), self.rewards.failures, state.dropped_samples)
+        before = (self.source.state_dict(), self.rewards.failures, state.dropped_samples,
+                  self.env_scorer.failures)
         try:
             # 1. the step's rollout batch: generated ahead (max_staleness >= 1) or now; a dead
             #    engine is restarted, re-synced, and the generation retried
@@ -304,6 +319,7 @@ class Run:
             pipe.abandon()
             self.source.load_state_dict(before[0])
             self.rewards.failures, state.dropped_samples = before[1], before[2]
+            self.env_scorer.failures = before[3]
             return None
         return scored
 
@@ -333,11 +349,14 @@ class Run:
     def _rewards(self, batch: RolloutBatch) -> RewardBreakdown:
         """The batch's rewards, in sample order; the total includes the overlong penalty."""
         samples = batch.samples()
-        examples = [self.source.train[i] for i, g in zip(batch.indices, batch.groups)
-                    for _ in g]
-        parts = self.rewards.score([s.text for s in samples], examples,
-                                   cancelled=lambda: self.stop.requested)
-        penalties = sample_penalties(samples, self.cfg.rollout.max_new_tokens, self.cfg.algorithm)
+        if self.episodes is not None:  # the environment rewarded its episodes
+            parts = self.env_scorer.score(samples)
+        else:
+            examples = [self.source.train[i] for i, g in zip(batch.indices, batch.groups)
+                        for _ in g]
+            parts = self.rewards.score([s.text for s in samples], examples,
+                                       cancelled=lambda: self.stop.requested)
+        penalties = sample_penalties(samples, self.cfg.response_budget, self.cfg.algorithm)
         parts.total = [t + p for t, p in zip(parts.total, penalties)]
         return parts
 
@@ -401,9 +420,12 @@ class Run:
                                        cfg.rollout.n_samples, self.rewards.failures,
                                        tokens=sampling.tokens))
         metrics["reward/overlong_penalty"] = statistics.fmean(sample_penalties(
-            scored.samples, cfg.rollout.max_new_tokens, cfg.algorithm))
+            scored.samples, cfg.response_budget, cfg.algorithm))
         metrics.update(sampling.metrics(self.state.generated_tokens))
         metrics.update(self._step_metrics(scored, sync_stats, seconds, busy))
+        if self.episodes is not None:
+            metrics.update(episode_metrics(scored.samples))
+            metrics["env/failures"] = float(self.env_scorer.failures)
         self._busy_before = busy
         self.recorder.histogram(step, "rollout/staleness", scored.lags)
         self.recorder.record(step, metrics, scored.batch, scored.parts, scored.adv,
@@ -464,8 +486,11 @@ class Run:
         batch.indices = [batch.indices[i] for i in keep]
         return batch if keep else self.pipeline.generate_now(step)
 
-    def close(self, failed: bool = False) -> None:
-        """`failed`: the run ends with an error; its workers are killed, not asked to stop."""
-        self.recorder.close()
+    def close(self, failed: bool = False, status: RunStatus | None = None) -> None:
+        """`failed`: the run ends with an error; its workers are killed, not asked to stop.
+        `status`: how it ended otherwise (the trackers record it)."""
+        self.recorder.close("failed" if failed else status or "done")
         self.rewards.close()
+        if self.episodes is not None:
+            self.episodes.close()
         self.runtime.shutdown(failed)

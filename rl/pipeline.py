@@ -188,10 +188,11 @@ class RolloutPipeline:
     def _generate(self, step: int, k: int, seed: int) -> RolloutBatch:
         indices = self.source.draw(k)
         batch = RolloutBatch(step=step, indices=indices)
-        prompts = self.source.prompts(indices)
-        gen = self.generator.start(prompts, self.sampling, seed)
+        prompts, rows = self.source.prompts(indices), self._rows(indices)
+        gen = self.generator.start(prompts, self.sampling, seed, **rows)
         self._await(gen, self._stopped)
-        batch.groups, batch.seconds = self.generator.finish(gen, prompts, self.sampling, seed)
+        batch.groups, batch.seconds = self.generator.finish(gen, prompts, self.sampling, seed,
+                                                            **rows)
         return batch
 
     def launch_ahead(self, step: int, last_step: int) -> None:
@@ -205,7 +206,7 @@ class RolloutPipeline:
             drawn_from = self.source.state_dict()
             indices = self.source.draw(self.prompts_per_step)
             gen = self.generator.start(self.source.prompts(indices), sampling,
-                                       rollout_seed(self.seed, t))
+                                       rollout_seed(self.seed, t), **self._rows(indices))
             self._in_flight.append((RolloutBatch(step=t, indices=indices, ahead=True), gen,
                                     drawn_from))
 
@@ -227,12 +228,19 @@ class RolloutPipeline:
                 break
             batch.groups, batch.seconds = self.generator.finish(
                 gen, self.source.prompts(batch.indices), sampling,
-                rollout_seed(self.seed, batch.step))
+                rollout_seed(self.seed, batch.step), **self._rows(batch.indices))
             self.pending.append(batch)
         self._in_flight.clear()
         self.pending.sort(key=lambda b: b.step)
 
     # ---- helpers -----------------------------------------------------------------------------
+    def _rows(self, indices: list[int]) -> dict:
+        """The keyword a multi-turn generator (`rl.envs.generator`) takes: the prompts' examples,
+        which start their episodes; nothing for a single-turn one."""
+        if not getattr(self.generator, "multi_turn", False):
+            return {}
+        return {"examples": self.source.examples(indices)}
+
     def _stopped(self) -> bool:
         return self.stop.requested
 

@@ -112,12 +112,14 @@ class Generator:
     def __init__(self, runtime, publisher: WeightPublisher):
         self.runtime, self.publisher = runtime, publisher
 
-    def start(self, prompts: list[list[int]], sampling: SamplingParams, seed: int):
-        """A `rl.cluster.facades.Generation` in flight (returns at once)."""
+    def start(self, prompts: list[list[int]], sampling: SamplingParams, seed: int,
+              examples: list | None = None):
+        """A `rl.cluster.facades.Generation` in flight (returns at once). `examples` (the
+        prompts' data rows) are for the multi-turn generator (`rl.envs.generator`)."""
         return self.runtime.rollout.generate_async(prompts, sampling, seed)
 
-    def finish(self, gen, prompts: list[list[int]], sampling: SamplingParams, seed: int
-               ) -> tuple[list[list[Sample]], float]:
+    def finish(self, gen, prompts: list[list[int]], sampling: SamplingParams, seed: int,
+               examples: list | None = None) -> tuple[list[list[Sample]], float]:
         """(samples per prompt, seconds) of `gen`, started by `start(prompts, sampling, seed)`."""
         first = [gen]
 

@@ -1,5 +1,6 @@
-"""What a run writes about itself: metrics.jsonl, TensorBoard, the HDF5 trajectories and the
-console's step lines. One `Recorder` per run; every record of a step goes through it."""
+"""What a run writes about itself: metrics.jsonl, TensorBoard (and W&B / MLflow when configured:
+one fan-out, `rl.metrics.sinks`), the HDF5 trajectories and the console's step lines. One
+`Recorder` per run, in the driver; every record of a step goes through it."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,9 @@ from dataclasses import dataclass
 
 from rl.config import Config
 from rl.console import say
+from rl.metrics.sinks import MetricFanOut, Outcome
 from rl.metrics.tensorboard import MetricsLogger
+from rl.metrics.tracking import tracking_sinks
 from rl.metrics.trajectories import TrajectoryWriter
 
 
@@ -29,14 +32,16 @@ class Recorder:
     def __init__(self, cfg: Config):
         self.cfg, self.run_dir = cfg, cfg.run_dir
         self.jsonl = self.run_dir / "metrics.jsonl"
-        self.tensorboard: MetricsLogger | None = None
+        self.metrics: MetricFanOut | None = None
         self.trajectories: TrajectoryWriter | None = None
 
     def open(self, step: int, resumed: bool, restart: RestartInfo) -> None:
         """Start writing at `step` (the checkpoint's): TensorBoard events and trajectories of
-        later steps, left by a life that did not checkpoint them, are dropped."""
-        self.tensorboard = MetricsLogger(self.run_dir, enabled=self.cfg.logging.tensorboard,
-                                         purge_step=step + 1 if resumed else None)
+        later steps, left by a life that did not checkpoint them, are dropped (W&B and MLflow
+        cannot drop points: they keep them, and get those steps again)."""
+        tensorboard = MetricsLogger(self.run_dir, enabled=self.cfg.logging.tensorboard,
+                                    purge_step=step + 1 if resumed else None)
+        self.metrics = MetricFanOut(tensorboard, tracking_sinks(self.cfg))
         self.log(step, restart.metrics())
         if self.cfg.logging.hdf5:
             self.trajectories = TrajectoryWriter(self.run_dir / "trajectories.h5")
@@ -59,12 +64,11 @@ class Recorder:
         self.jsonl.write_text("".join(line + "\n" for line in lines))
 
     def log(self, step: int, metrics: dict) -> None:
-        """TensorBoard only (metrics.jsonl holds one row per step: `record`)."""
-        self.tensorboard.log(step, metrics)  # type: ignore[union-attr]  # lint baseline (issue 39)
-        self.tensorboard.flush()  # type: ignore[union-attr]  # lint baseline (issue 39)
+        """TensorBoard and the trackers (metrics.jsonl holds one row per step: `record`)."""
+        self.metrics.log(step, metrics)  # type: ignore[union-attr]  # lint baseline (issue 39)
 
     def histogram(self, step: int, tag: str, values) -> None:
-        self.tensorboard.histogram(step, tag, values)  # type: ignore[union-attr]  # lint baseline (issue 39)
+        self.metrics.histogram(step, tag, values)  # type: ignore[union-attr]  # lint baseline (issue 39)
 
     def record(self, step: int, metrics: dict, batch=None, parts=None, advantages=None,
                old_logprobs: list[list[float]] | None = None, lags=None) -> None:
@@ -86,14 +90,25 @@ class Recorder:
                 old_logprobs=old_logprobs, version_spans=[s.spans() for s in samples],
                 staleness=lags,
                 routing=[s.routing for s in samples] if self.cfg.logging.save_routing
-                and all(s.routing is not None for s in samples) else None)
+                and all(s.routing is not None for s in samples) else None,
+                **_episode_columns(samples))
         last = step == self.cfg.num_steps
         if step % self.cfg.logging.print_every == 0 or last or "eval/pass1" in metrics:
             say(format_step(self.cfg, step, metrics))
 
-    def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+    def close(self, outcome: Outcome = "done") -> None:
+        """`outcome`: how this life ended (`rl.metrics.sinks.Outcome`), for the trackers."""
+        if self.metrics is not None:
+            self.metrics.close(outcome)
+
+
+def _episode_columns(samples) -> dict:
+    """The trajectory file's multi-turn columns of `samples` (none for single-turn ones)."""
+    if all(s.turns is None for s in samples):
+        return {}
+    return {"loss_mask": [s.loss_mask or [] for s in samples],
+            "episodes": [None if s.turns is None else {"turns": s.turns, "error": s.env_error}
+                         for s in samples]}
 
 
 def rollout_metrics(samples, parts, seconds: float, n_samples: int, failures: int,

@@ -38,8 +38,8 @@ REFUSE, WARM_START, NOTE, SCHEDULE, CONTENT, IGNORE = (
 
 RESUME_KEYS: dict[str, str] = {
     # What the run computes.
-    **dict.fromkeys(("seed", "model", "data", "reward", "rollout", "trainer", "algorithm",
-                     "sync.wire_dtype", "sync.wire_keep_bf16"), REFUSE),
+    **dict.fromkeys(("seed", "model", "data", "reward", "env", "rollout", "trainer",
+                     "algorithm", "sync.wire_dtype", "sync.wire_keep_bf16"), REFUSE),
     "sft": WARM_START,
     # The machine's share of the work and what is measured.
     **dict.fromkeys(("trainer.torch_threads", "rollout.torch_threads", "rollout.cpu_kvcache_gb",
@@ -50,7 +50,7 @@ RESUME_KEYS: dict[str, str] = {
     **dict.fromkeys(("name", "output_dir", "cluster", "checkpoint", "logging", "plan",
                      "sft.cache_dir", "trainer.nvme_path", "sync.timeout_s", "sync.bucket_mb",
                      "sync.verify", "sync.backend", "sync.check_logprobs",
-                     "sync.check_logprobs_tol", "reward.num_workers"), IGNORE),
+                     "sync.check_logprobs_tol", "reward.num_workers", "env.num_workers"), IGNORE),
 }
 
 _NOTES = {"eval": "changes what is evaluated, not what is trained",

@@ -32,7 +32,8 @@ _ABSENT = object()
 _ADDED_DATA_KEYS = {"prompt_format": "auto",
                     "deepseek_v4": {"thinking": True, "reasoning_effort": "high"}}
 # {sft key: its default}: likewise for SftConfig.
-_ADDED_SFT_KEYS = {"target_accuracy": None, "check_every": 10, "check_examples": 256}
+_ADDED_SFT_KEYS = {"target_accuracy": None, "check_every": 10, "check_examples": 256,
+                   "target_field": None}
 
 
 def _sft_dir(config: dict) -> Path:
@@ -70,6 +71,28 @@ def run_model_dir(config: dict) -> Path:
     return DEFAULT_CACHE_ROOT / preset_dir_name(model["preset"], model["seed"])
 
 
+def find_run_model_dir(run_dir: Path, holds: str = "") -> tuple[Path | None, Path | None]:
+    """(named, found): the model directory RUN_DIR/config.yaml names (`run_model_dir`; None
+    when config.yaml is missing or unreadable) and where it is. A relative path is relative to
+    the directory the run was started from: tried from the current directory, then from each
+    directory above RUN_DIR. `found` is the first candidate that exists (and holds the file
+    `holds`, when given), None when there is none."""
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.is_file():
+        return None, None
+    import yaml
+    try:
+        named = run_model_dir(yaml.safe_load(saved.read_text()))
+    except (yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return None, None
+    bases = [Path()] if named.is_absolute() else [Path.cwd(), *Path(run_dir).resolve().parents]
+    for base in bases:
+        candidate = base / named
+        if (candidate / holds).is_file() if holds else candidate.is_dir():
+            return named, candidate
+    return named, None
+
+
 def warm_start_dir(cfg: Config) -> Path:
     """The model directory RL starts from (the SFT result when `model.warm_start`)."""
     if not cfg.model.warm_start:
@@ -90,9 +113,10 @@ def _cached_accuracy(out: Path) -> str:
 
 
 def _encode(tok, cfg: Config, examples) -> list[tuple[list[int], list[int]]]:
-    out = []
+    out, field = [], cfg.sft.target_field
     for ex in examples:
-        answer = tok(ex.answer, add_special_tokens=False)["input_ids"]
+        target = ex.meta.get(field, ex.answer) if field is not None else ex.answer
+        answer = tok(str(target), add_special_tokens=False)["input_ids"]
         out.append((encode_prompt(ex, tok, cfg.data), answer + [tok.eos_token_id]))
     return out
 

@@ -11,16 +11,18 @@ them is `loader.py`. Import from here: `from rl.config import Config, load_confi
 from rl.config.loader import MOVED_KEYS, load_config, parse_override, save_config
 from rl.config.schema import (MODEL_PRESETS, THINK_END, AlgorithmConfig, CheckpointConfig,
                               ClusterConfig, Config, ConfigError, DataConfig, DeadlinesConfig,
-                              DeepSeekV4PromptConfig, EvalConfig, FieldError, LoggingConfig,
-                              ModelConfig, NetworkConfig, PlanConfig, RewardConfig,
+                              DeepSeekV4PromptConfig, EnvConfig, EvalConfig, FieldError,
+                              LoggingConfig, MlflowConfig, ModelConfig, NetworkConfig, PlanConfig,
+                              RewardConfig,
                               RewardSandboxConfig, RolloutConfig, SftConfig, SlurmGroupConfig,
-                              SyncConfig, SyntheticConfig, TrainerConfig, to_dict)
+                              SyncConfig, SyntheticConfig, TrainerConfig, WandbConfig, to_dict)
 
 __all__ = [
     "MOVED_KEYS", "load_config", "parse_override", "save_config",
     "MODEL_PRESETS", "THINK_END", "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "Config",
-    "ConfigError", "DataConfig", "DeadlinesConfig", "DeepSeekV4PromptConfig", "EvalConfig",
-    "FieldError", "LoggingConfig", "ModelConfig", "NetworkConfig", "PlanConfig", "RewardConfig",
+    "ConfigError", "DataConfig", "DeadlinesConfig", "DeepSeekV4PromptConfig", "EnvConfig",
+    "EvalConfig", "FieldError", "LoggingConfig", "MlflowConfig", "ModelConfig", "NetworkConfig",
+    "PlanConfig", "RewardConfig",
     "RewardSandboxConfig", "RolloutConfig", "SftConfig", "SlurmGroupConfig", "SyncConfig",
-    "SyntheticConfig", "TrainerConfig", "to_dict",
+    "SyntheticConfig", "TrainerConfig", "WandbConfig", "to_dict",
 ]

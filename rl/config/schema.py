@@ -266,6 +266,37 @@ class RewardConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class EnvConfig:
+    path: str | None = None
+    """A multi-turn, tool-using environment `package.module:Class` (docs/environments.md); its
+    reward replaces `reward.function` for training and evaluation. null = single-turn rollouts
+    scored by the reward function."""
+    max_turns: int = 4
+    """Model turns per episode (>= 1); an episode still asking for tools after the last one is
+    cut (reward 0, finish reason `length`)."""
+    max_response_tokens: int = 64
+    """Response budget of an episode, model and environment tokens together (each model turn
+    is also capped at rollout.max_new_tokens); <= rollout.max_model_len - 1."""
+    step_timeout_s: float = 10.0
+    """Time limit of one environment call (its `__init__` and `step`), seconds, > 0: past it
+    the worker is killed and replaced and the episode fails (reward 0, `env/failures`)."""
+    num_workers: int | Literal["auto"] = "auto"
+    """Environment worker processes; `auto`: half the CPUs this process may use, 1 to 8."""
+    tool_format: Literal["auto", "raw", "deepseek_v4"] = "auto"
+    """How tool calls are written and tool results shown (rl/envs/tools.py): `raw`
+    (`[NAME: ARGS]`, results `[result: TEXT]`), `deepseek_v4` (DeepSeek-V4's DSML tool calls and
+    `<tool_result>` blocks); `auto` follows data.prompt_format."""
+
+    def __post_init__(self) -> None:
+        _check(self.path is None or ":" in self.path, "path", self.path,
+               "null or a dotted path 'package.module:Class'")
+        _positive(self, "max_turns", "max_response_tokens", "step_timeout_s")
+        _check(self.num_workers == "auto" or (isinstance(self.num_workers, int)
+                                              and self.num_workers >= 1),
+               "num_workers", self.num_workers, "'auto' or a count >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     engine: Literal["vllm", "hf", "native"] = "vllm"
     """`vllm` (vLLM, weights reloaded in place), `hf` (transformers `generate`, the reference) or
@@ -418,6 +449,17 @@ class TrainerConfig:
     transformers' eager deepseek_v4 attention, whose (heads x S x S) scores are counted."""
     nvme_path: str = "/local_nvme/deepspeed"
     """Where ZeRO-Infinity puts optimizer state with `optimizer_offload: nvme` (node-local disk)."""
+    chunked_lm_head: bool = True
+    """Compute the log-probs (and the entropy) straight from the final hidden states and the LM
+    head's weight, `lm_head_chunk_rows` rows of logits at a time (`rl.trainer.lm_head`: same
+    values and gradients), instead of materialising the (tokens x vocabulary) logits, their
+    gradient and fp32 copies (8 B per token and vocabulary entry: 17.8 GiB per GPU for
+    DeepSeek-V4-Flash at 18,432 tokens). `false`: the full-logits path. Needs an `nn.Linear`
+    head without bias (every supported model)."""
+    lm_head_chunk_rows: int = 1024
+    """Rows (tokens) of logits the chunked LM head holds at once, forward and backward (its
+    backward holds as many logits, a slice of the vocabulary for every token): about 8 B x rows
+    x vocabulary of working memory (1 GiB at 1,024 rows of V4's 129,280)."""
     expert_parallel_size: int = 1
     """Ranks that split each MoE layer's routed experts (`rl.trainer.expert_parallel`): each
     holds 1/EP of them and tokens are exchanged all-to-all; must divide num_ranks and the
@@ -426,7 +468,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "num_ranks", "lr", "micro_batch_tokens", "ppo_epochs", "num_mini_batches",
-                  "torch_threads")
+                  "torch_threads", "lm_head_chunk_rows")
         _non_negative(self, "weight_decay", "warmup_steps", "grad_clip")
         _check(self.zero_stage in (0, 1, 2, 3), "zero_stage", self.zero_stage, "0, 1, 2 or 3")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", self.betas,
@@ -597,6 +639,51 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class WandbConfig:
+    """Weights & Biases: the run's scalars (TensorBoard's tags at TensorBoard's steps) and its
+    resolved config, logged by the driver only (`rl.metrics.wandb_sink`)."""
+    enabled: bool = False
+    """Log to W&B; needs the `wandb` extra (`pip install -e '.[wandb]'`), checked at submit."""
+    project: str = "slurm-rl"
+    """The W&B project."""
+    entity: str | None = None
+    """The W&B entity (user or team); null = the logged-in user's default."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """`online`: stream to the server (needs `wandb login` or WANDB_API_KEY); `offline`: write
+    RUN_DIR/wandb/offline-run-* only, no network (upload later with `wandb sync`); `disabled`:
+    log nothing, as `enabled: false`."""
+    name: str | None = None
+    """The W&B run's display name; null = the run's `name`."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the W&B run."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.project.strip()), "project", self.project, "a non-empty project name")
+
+
+@dataclass(kw_only=True, slots=True)
+class MlflowConfig:
+    """MLflow: the run's scalars (TensorBoard's tags at TensorBoard's steps) and its resolved
+    config as params, logged by the driver only (`rl.metrics.mlflow_sink`)."""
+    enabled: bool = False
+    """Log to MLflow; needs the `mlflow` extra (`pip install -e '.[mlflow]'`), checked at
+    submit."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI (`http://host:5000`, `databricks`, `sqlite:///path.db`, `file:/dir`);
+    null = a file store in RUN_DIR/mlruns (no server, no network: `mlflow ui
+    --backend-store-uri RUN_DIR/mlruns`)."""
+    experiment: str | None = None
+    """The MLflow experiment (created if missing); null = the run's `name`."""
+    run_name: str | None = None
+    """The MLflow run's name; null = the run's `name`."""
+
+    def __post_init__(self) -> None:
+        for name in ("tracking_uri", "experiment", "run_name"):
+            value = getattr(self, name)
+            _check(value is None or bool(value.strip()), name, value, "null or a non-empty string")
+
+
+@dataclass(kw_only=True, slots=True)
 class LoggingConfig:
     tensorboard: bool = True
     """Write the scalar metrics to RUN_DIR/tensorboard."""
@@ -613,6 +700,10 @@ class LoggingConfig:
     """Print everything the job's libraries write (vLLM, Ray workers, DeepSpeed, transformers,
     warnings) on the console. Off: the console shows the step lines, progress, the summary and
     errors, and the rest goes to RUN_DIR/logs/job.log."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases: the same scalars as TensorBoard, and the config (off by default)."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """MLflow: the same scalars as TensorBoard, and the config as params (off by default)."""
 
     def __post_init__(self) -> None:
         _positive(self, "print_every")
@@ -794,6 +885,11 @@ class SftConfig:
     cache_dir: str = "checkpoints/sft"
     """Where warm starts are cached: one directory per model, data, seed and sft settings
     (cache_dir itself aside)."""
+    target_field: str | None = None
+    """A data field holding the text to imitate instead of the answer (e.g. a tool-use
+    transcript, `rl.envs.calc`; the tokenizer's EOS text inside it is the EOS token), used
+    where a row has it; null: always the answer. The warm start trains on all of it, tool
+    results included (RL masks those)."""
 
     def __post_init__(self) -> None:
         _positive(self, "steps", "batch_size", "lr", "check_every", "check_examples")
@@ -887,6 +983,8 @@ class Config:
     """Prompts and answers: synthetic arithmetic or your files."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """How responses are scored."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn, tool-using rollouts against an environment (off unless env.path is set)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The rollout engines and their sampling."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -900,7 +998,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints, retention and fault limits."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    """TensorBoard, the HDF5 trajectory log and the step line."""
+    """TensorBoard, the HDF5 trajectory log, the step line, W&B and MLflow."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Where the run goes: this machine or a Slurm job."""
     sft: SftConfig = field(default_factory=SftConfig)
@@ -915,9 +1013,10 @@ class Config:
         pt = self.algorithm.partial_tokens
         _check(pt is None or pt < self.rollout.max_new_tokens, "algorithm.partial_tokens", pt,
                f"null or a value < rollout.max_new_tokens ({self.rollout.max_new_tokens})")
-        _check(self.algorithm.overlong_buffer <= self.rollout.max_new_tokens,
+        budget = ("env.max_response_tokens" if self.env.path else "rollout.max_new_tokens")
+        _check(self.algorithm.overlong_buffer <= self.response_budget,
                "algorithm.overlong_buffer", self.algorithm.overlong_buffer,
-               f"a value <= rollout.max_new_tokens ({self.rollout.max_new_tokens})")
+               f"a value <= {budget} ({self.response_budget})")
         _check(not self.algorithm.dynamic_sampling or self.rollout.n_samples >= 2,
                "algorithm.dynamic_sampling", self.algorithm.dynamic_sampling,
                "false when rollout.n_samples is 1 (a group of one sample has no reward spread)")
@@ -932,6 +1031,14 @@ class Config:
                f"raw or chat_template with a preset model ({self.model.preset}: its character "
                "tokenizer has no <｜User｜>, <｜Assistant｜>, <think> tokens); deepseek_v4 needs "
                "a DeepSeek-V4 checkpoint in model.path")
+        env = self.env
+        _check(env.path is None or env.max_response_tokens < self.rollout.max_model_len,
+               "env.max_response_tokens", env.max_response_tokens,
+               f"a value < rollout.max_model_len ({self.rollout.max_model_len})")
+        _check(env.path is None or self.algorithm.max_staleness == 0
+               or self.algorithm.partial_rollouts == "finish", "algorithm.partial_rollouts",
+               self.algorithm.partial_rollouts, "'finish' with env.path (multi-turn episodes are "
+               "not interrupted by a weight update)")
         if self.reward.answer_after == "auto":
             # Resolved here, where the prompt format is known: RewardComputer gets only
             # cfg.reward. A new object, so a RewardConfig given to two Configs resolves in each.
@@ -942,3 +1049,10 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+    @property
+    def response_budget(self) -> int:
+        """Tokens a training response may hold: a multi-turn episode's env.max_response_tokens
+        (model and environment tokens), else rollout.max_new_tokens. The overlong penalty
+        counts against it."""
+        return self.env.max_response_tokens if self.env.path else self.rollout.max_new_tokens

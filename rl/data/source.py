@@ -33,6 +33,9 @@ class PromptSource:
     def prompts(self, indices: list[int]) -> list[list[int]]:
         return [self.train_ids[i] for i in indices]
 
+    def examples(self, indices: list[int]) -> list[Example]:
+        return [self.train[i] for i in indices]
+
     def probe(self) -> tuple[list[int], list[int]]:
         """A fixed (prompt, reference answer + EOS) sequence: the weight-sync log-prob check."""
         ex, prompt = ((self.eval_set[0], self.eval_ids[0]) if self.eval_set

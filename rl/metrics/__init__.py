@@ -1,4 +1,6 @@
-"""Run monitoring: TensorBoard scalars (`tensorboard`) and the HDF5 trajectory log (`trajectories`).
+"""Run monitoring: TensorBoard scalars (`tensorboard`) and the HDF5 trajectory log (`trajectories`);
+the same scalars to W&B and MLflow when configured (`sinks` fans them out, `tracking`,
+`wandb_sink`, `mlflow_sink`; imported by the driver, not here).
 
 A run directory holds `tensorboard/` (event files) and `trajectories.h5`; `python -m launch.inspect
 RUN_DIR` summarises both. Importing this package does not import torch.

@@ -118,6 +118,28 @@ METRIC_TAGS: dict[str, str] = {
     "eval/pass1": "Greedy accuracy on the eval set (pass@1).",
     "eval/mean_reward": "Mean reward of the greedy eval samples.",
     "eval/pass_k": "pass@k on the eval set at eval.pass_k_temperature, k = eval.pass_k.",
+    "eval/env_failures": "Multi-turn (env.path): greedy eval episodes whose environment failed.",
+    "eval/turns_mean": "Multi-turn: model turns per greedy eval episode.",
+    "eval/tool_calls_mean": "Multi-turn: tool calls per greedy eval episode.",
+    "eval/tool_call_rate": "Multi-turn: fraction of greedy eval episodes with at least one tool "
+                           "call.",
+    "eval/env_tokens_mean": "Multi-turn: environment (tool-result) tokens per greedy eval "
+                            "episode.",
+    "eval/cut_frac": "Multi-turn: fraction of greedy eval episodes cut (finish reason 'length'): "
+                     "a turn at rollout.max_new_tokens, or the episode at env.max_turns or "
+                     "env.max_response_tokens.",
+    "env/failures": "Multi-turn: training episodes whose environment raised, hung past "
+                    "env.step_timeout_s, crashed its worker or returned garbage; each scored 0 "
+                    "(cumulative count).",
+    "env/turns_mean": "Multi-turn: model turns per episode of the step.",
+    "env/tool_calls_mean": "Multi-turn: tool calls per episode of the step.",
+    "env/tool_call_rate": "Multi-turn: fraction of the step's episodes with at least one tool "
+                          "call.",
+    "env/env_tokens_mean": "Multi-turn: environment (tool-result) tokens per episode: context, "
+                           "masked out of the loss.",
+    "env/cut_frac": "Multi-turn: fraction of the step's episodes cut (finish reason 'length'): "
+                    "their last turn at rollout.max_new_tokens, or the episode at env.max_turns "
+                    "or env.max_response_tokens (reward 0).",
     "faults/rollout_restarts": "Rollout engines restarted after a failure (cumulative count).",
     "faults/skipped_steps": "Steps skipped for a non-finite loss or gradient (cumulative count).",
     "weights/version": "Weight version served by the rollout engines after this step's sync.",
@@ -134,6 +156,11 @@ REPLAY_TAGS: dict[str, str] = {
     "rollout/routing_agreement": "r3", "train/rollout_logp_absdiff": "r3",
     "train/noreplay_rollout_logp_absdiff": "r3", "train/noreplay_tis_ratio_mean": "r3",
     "train/noreplay_tis_capped_frac": "r3", "train/routing_agreement": "r2"}
+
+# The tags written only by multi-turn runs (env.path set).
+ENV_TAGS: frozenset[str] = frozenset(t for t in METRIC_TAGS if t.startswith("env/")) | {
+    "eval/env_failures", "eval/turns_mean", "eval/tool_calls_mean", "eval/tool_call_rate",
+    "eval/env_tokens_mean", "eval/cut_frac"}
 
 # Histograms (TensorBoard's HISTOGRAMS tab), tag -> description.
 HISTOGRAM_TAGS: dict[str, str] = {
@@ -200,14 +227,22 @@ class MetricsLogger:
         self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step,
                                      flush_secs=30)
 
+    def numbers(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """`metrics` as floats, every tag checked against METRIC_TAGS (ValueError on a bad tag or
+        a value that is not a number), whether or not TensorBoard is enabled: what
+        `rl.metrics.sinks.MetricFanOut` hands every sink."""
+        out = {}
+        for tag, value in metrics.items():
+            self._check_tag(tag)
+            out[tag] = _to_float(tag, value)
+        return out
+
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Write `metrics` (tag -> number) at `step`. Non-finite values are written as they are
         (a NaN on the curve is the signal) but logged as a warning."""
         if self._writer is None:
             return
-        for tag, value in metrics.items():
-            self._check_tag(tag)
-            number = _to_float(tag, value)
+        for tag, number in self.numbers(metrics).items():
             if not math.isfinite(number):
                 log.warning("metric %s is %s at step %d", tag, number, step)
             self._writer.add_scalar(tag, number, global_step=step)

@@ -30,6 +30,12 @@ Optional (`logging.save_routing` with `algorithm.routing_replay: r3`): `routing`
 uint8/uint16, each sample's routing (`rl.rollout.routing`) flattened; its attributes `layers` and
 `top_k` give the row shape. Rows appended without routing hold an empty array.
 
+Optional (multi-turn runs, `env.path`): `loss_mask`, vlen uint8, per response token 1 where the
+model sampled it and 0 for environment (tool-result) tokens; `episode`, a JSON string per row:
+`{"turns": [{"start", "end", "tool_calls": [[name, arguments], ...], "observation"}, ...],
+"error": null or why the environment failed}` (a model turn is response_ids[start:end], its
+observation the text appended after it). Rows appended without them hold an empty mask and "".
+
 File attributes: `schema_version` (int, 2), `finish_reasons` (JSON list: "stop", "length",
 "abort", "other"), `created_unix` (float, seconds).
 
@@ -138,6 +144,41 @@ def _batch_arrays(step: int, n: int, columns: dict[str, Any]) -> dict[str, np.nd
     return data
 
 
+_EPISODE_COLUMNS: dict[str, tuple[Any, Any]] = {
+    "loss_mask": (h5py.vlen_dtype(np.dtype(np.uint8)), []),
+    "episode": (h5py.string_dtype(), ""),
+}
+"""The multi-turn columns: name -> (dtype, the value of a row without it)."""
+
+
+def _vlen_or_str(rows: Sequence[Any], name: str) -> np.ndarray:
+    if name == "loss_mask":
+        return _vlen_array(rows, np.uint8)
+    out: np.ndarray = np.empty(len(rows), dtype=object)
+    out[:] = list(rows)
+    return out
+
+
+def _episode_arrays(n: int, response_len: np.ndarray, loss_mask, episodes
+                    ) -> dict[str, np.ndarray] | None:
+    """The multi-turn columns of a batch (None when it has none); ValueError for a mask whose
+    length is not its response's."""
+    if loss_mask is None and episodes is None:
+        return None
+    mask = loss_mask if loss_mask is not None else [[]] * n
+    eps = episodes if episodes is not None else [None] * n
+    if len(mask) != n or len(eps) != n:
+        raise ValueError(f"trajectory batch: {len(mask)} loss masks and {len(eps)} episodes "
+                         f"for {n} rows")
+    for i, m in enumerate(mask):
+        if len(m) not in (0, int(response_len[i])):
+            raise ValueError(f"trajectory batch: loss_mask[{i}] has {len(m)} values for a "
+                             f"response of {response_len[i]} tokens")
+    return {"loss_mask": _vlen_or_str(mask, "loss_mask"),
+            "episode": _vlen_or_str(["" if e is None else json.dumps(e) for e in eps],
+                                    "episode")}
+
+
 class TrajectoryWriter:
     """Appends rollout batches to `path` (created with the schema on first use)."""
 
@@ -167,7 +208,9 @@ class TrajectoryWriter:
                sample_index: Sequence[int] | None = None,
                version_spans: Sequence[Sequence[tuple[int, int]]] | None = None,
                staleness: Sequence[int] | None = None,
-               routing: Sequence[np.ndarray] | None = None) -> int:
+               routing: Sequence[np.ndarray] | None = None,
+               loss_mask: Sequence[Sequence[int]] | None = None,
+               episodes: Sequence[dict] | None = None) -> int:
         """Append one batch of n samples (every sequence argument has length n); returns the
         number of rows in the file afterwards.
 
@@ -207,10 +250,13 @@ class TrajectoryWriter:
             if len(values) != n:
                 raise ValueError(f"trajectory batch: {name} has {len(values)} rows, "
                                  f"prompt_index has {n}")
-        return self._write_rows(step, n, _batch_arrays(step, n, columns), routing)
+        data = _batch_arrays(step, n, columns)
+        extra = _episode_arrays(n, data["response_length"], loss_mask, episodes)
+        return self._write_rows(step, n, data, routing, extra)
 
     def _write_rows(self, step: int, n: int, data: dict[str, np.ndarray],
-                    routing: Sequence[np.ndarray] | None) -> int:
+                    routing: Sequence[np.ndarray] | None,
+                    extra: dict[str, np.ndarray] | None = None) -> int:
         """Append `data` (n rows, one array per dataset but routing); returns the row count."""
         with _open(self.path, "a") as f:
             _check_schema(f, self.path)
@@ -228,6 +274,15 @@ class TrajectoryWriter:
                 data["routing"] = _vlen_array([[]] * n if routing is None else routing,
                                               f["routing"].dtype.metadata["vlen"])
             optional = ["routing"] if "routing" in f else []
+            for name, (dtype, empty) in _EPISODE_COLUMNS.items():
+                if extra and name not in f:
+                    f.create_dataset(name, shape=(start,), maxshape=(None,), dtype=dtype,
+                                     chunks=(_VLEN_CHUNK,))
+                    if start:
+                        _write(f[name], _vlen_or_str([empty] * start, name), 0)
+                if name in f:
+                    data[name] = extra[name] if extra else _vlen_or_str([empty] * n, name)
+                    optional.append(name)
             for name in [*_VLEN_COLUMNS, *optional,
                          *(c for c in _SCALAR_COLUMNS if c != "step"), "step"]:
                 ds = f[name]
@@ -251,7 +306,7 @@ class TrajectoryWriter:
                 return 0
             n_keep = int(keep.sum())
             is_prefix = bool(keep[:n_keep].all())
-            optional = ["routing"] if "routing" in f else []
+            optional = [c for c in ("routing", *_EPISODE_COLUMNS) if c in f]
             for name in [*_SCALAR_COLUMNS, *_VLEN_COLUMNS, *optional]:
                 ds = f[name]
                 if not is_prefix:  # rows out of step order (should not happen): compact them
@@ -316,6 +371,12 @@ class TrajectoryReader:
             out[name] = np.asarray(self._file[name][i])
         out["finish_reason"] = self.finish_reasons[out["finish_reason"]]
         out["version_spans"] = out["version_spans"].reshape(-1, 2)
+        if "loss_mask" in self._file:
+            out["loss_mask"] = np.asarray(self._file["loss_mask"][i])
+        if "episode" in self._file:
+            raw = self._file["episode"][i]
+            raw = raw.decode() if isinstance(raw, bytes) else raw
+            out["episode"] = json.loads(raw) if raw else None
         if "routing" in self._file:
             ds = self._file["routing"]
             out["routing"] = np.asarray(ds[i]).reshape(-1, int(ds.attrs["layers"]),

@@ -90,7 +90,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device =
     `rl.models.attention.attention_kernel`): SDPA; for DeepSeek-V4, whose HF code is eager-only,
     our linear-memory `rl.models.v4_attention` (same outputs), or transformers' eager with
     `attention="eager"`. DeepSeek-V4's norms compute in fp32 and return `dtype`
-    (`rl.models.v4_precision`), so a BF16 V4 runs end to end.
+    (`rl.models.v4_precision`), so a BF16 V4 runs end to end. With `RL_V4_LAYER=1` its
+    hyper-connections, norms and MoE run as `rl.models.v4_layer`'s fused functions (compiled on
+    CUDA; same outputs); off by default until it passes the DeepSpeed trainer's GPU tests.
     A quantized checkpoint is refused (`refuse_quantized`).
     """
     refuse_quantized(model_dir)
@@ -102,8 +104,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device =
     model = model_cls.from_pretrained(str(model_dir), config=config, dtype=dtype,
                                       attn_implementation=attn, local_files_only=True)
     if kind == "deepseek_v4":
-        from rl.models import v4_precision
+        from rl.models import v4_layer, v4_precision
         v4_precision.install(model)
+        if v4_layer.requested():
+            v4_layer.install(model)
     if fused_v4:
         from rl.models.v4_attention import install
         install(model)

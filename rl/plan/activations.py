@@ -12,9 +12,17 @@ With activation checkpointing (one checkpoint per decoder layer, as transformers
 `gradient_checkpointing_enable` does) the forward keeps each layer's input and the backward
 recomputes one layer at a time: `layers x input + one layer's activations`.
 
-The LM head: bf16 logits (T, V), their fp32 copies that `losses.token_logprobs` upcasts chunk by
-chunk and autograd keeps, and the bf16 gradient of the logits: 8 bytes per token and vocab entry
-(+4 with an entropy bonus, whose softmax also keeps an fp32 copy).
+The LM head, T tokens, V vocabulary, H hidden, e bytes per element of the model dtype:
+- chunked (`trainer.chunked_lm_head`, the default; `rl.trainer.lm_head`): one chunk of R =
+  min(`trainer.lm_head_chunk_rows`, T) rows of fp32 logits and the fp32 exp / gradient made from
+  them, 8 x R x V, plus the hidden states it keeps for backward, their gradient and the fp32
+  accumulator and slice product of that gradient, T x H x (2e + 8):
+  `8 R V + T H (2e + 8)` (`chunked_head_bytes`);
+- full logits: the logits (T, V) in the model dtype, their fp32 copies that
+  `losses.token_logprobs` upcasts chunk by chunk and autograd keeps, and the logits' gradient:
+  (2e + 4) bytes per token and vocab entry (+4 with an entropy bonus, whose softmax also keeps an
+  fp32 copy).
+Neither counts the head weight's gradient (a parameter gradient, as before).
 """
 from __future__ import annotations
 
@@ -93,6 +101,7 @@ class Activations:
     layers: float
     """Decoder layers (all of them, or checkpoints + one recomputed layer)."""
     logits: float
+    """The LM head (see the module docstring: chunked or full logits)."""
     eager_scores: float
     """An eager attention kernel's score matrices at this sequence length (0 for fused/SDPA)."""
 
@@ -116,17 +125,26 @@ def v4_min_rate(arch: Arch) -> int:
     return min(v4_compress_rates(arch.config).values())
 
 
+def chunked_head_bytes(tokens: int, hidden: int, vocab: int, chunk_rows: int,
+                       elem_bytes: int = BF16) -> float:
+    """The chunked LM head's working memory: `8 R V + T H (2e + 8)` (module docstring)."""
+    return 8.0 * min(chunk_rows, tokens) * vocab + tokens * hidden * (2.0 * elem_bytes + 8)
+
+
 def estimate(arch: Arch, tokens: int, seq_len: int, checkpointing: bool, eager: bool,
-             entropy: bool, elem_bytes: int = BF16) -> Activations:
+             entropy: bool, elem_bytes: int = BF16, head_chunk_rows: int = 0) -> Activations:
     """Activation bytes for a micro-batch of `tokens` tokens of sequences up to `seq_len`;
-    `elem_bytes` 2 for bf16 training, 4 for fp32 (CPU) training."""
+    `elem_bytes` 2 for bf16 training, 4 for fp32 (CPU) training; `head_chunk_rows` > 0: the
+    chunked LM head with chunks of that many rows, 0: full logits."""
     widths = layer_widths(arch)
     if checkpointing:
         layers = tokens * elem_bytes * (arch.num_layers * layer_input_width(arch) + max(widths))
     else:
         layers = tokens * elem_bytes * sum(widths)
-    # logits + their gradient in the model dtype, the fp32 chunks autograd keeps (+ entropy's)
-    logits = tokens * arch.vocab * (2 * elem_bytes + 4 + (4 if entropy else 0))
+    if head_chunk_rows > 0:
+        logits = chunked_head_bytes(tokens, arch.hidden, arch.vocab, head_chunk_rows, elem_bytes)
+    else:  # logits + their gradient in the model dtype, the fp32 chunks autograd keeps
+        logits = tokens * arch.vocab * (2 * elem_bytes + 4 + (4 if entropy else 0))
     scores = 0.0
     if eager:
         one = eager_scores_bytes(arch, seq_len, max(tokens // seq_len, 1), elem_bytes)

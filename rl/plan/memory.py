@@ -247,11 +247,15 @@ def _activation_lines(cfg: Config, arch: Arch, r: _Ranks, tokens: int, seq: int,
                       eager: bool) -> list[Line]:
     """Forward/backward activations of one micro-batch of `tokens`, then the CUDA overhead."""
     t = cfg.trainer
+    rows = t.lm_head_chunk_rows if t.chunked_lm_head else 0
     act = activations.estimate(arch, tokens, seq, t.activation_checkpointing, eager,
-                               cfg.algorithm.entropy_coef > 0, elem_bytes=r.w)
+                               cfg.algorithm.entropy_coef > 0, elem_bytes=r.w,
+                               head_chunk_rows=rows)
     ckpt = "checkpointed" if t.activation_checkpointing else "no checkpointing"
+    head = (f"activations: LM head, chunked ({min(rows, tokens):,} rows of logits at a time)"
+            if rows else "activations: logits + log-prob fp32 chunks")
     lines = [r.place(f"activations: decoder layers ({ckpt})", act.layers, "gpu", "train"),
-             r.place("activations: logits + log-prob fp32 chunks", act.logits, "gpu", "train")]
+             r.place(head, act.logits, "gpu", "train")]
     if eager:
         lines.append(r.place(f"activations: eager attention scores (S={seq:,})",
                              act.eager_scores, "gpu", "train"))

@@ -101,7 +101,16 @@ class _Worker:
 
 class RewardPool:
     """`num_workers` worker processes running the correctness function `function` (`math`,
-    `exact` or a dotted path); `map` scores a batch over them."""
+    `exact` or a dotted path); `map` scores a batch over them.
+
+    The class attributes below name what the workers run; `rl.envs.pool.EnvPool` reuses the
+    machinery for environment steps."""
+    WORKER_MODULE = "rl.rewards.worker"
+    """The worker's module (`python -m WORKER_MODULE FD DRIVER_PID`)."""
+    KIND = "reward"
+    """How messages name a worker ("reward worker 123")."""
+    TIMEOUT_KEY = "reward.verify_timeout_s"
+    """The config key of the per-call time limit, for the timeout message."""
 
     def __init__(self, function: str, num_workers: int, timeout_s: float,
                  sandbox: RewardSandboxConfig | None = None, protect: tuple[str, ...] = ()):
@@ -130,7 +139,7 @@ class RewardPool:
             for _ in range(num_workers):
                 self._workers.append(self._spawn())
             if function not in BUILTIN:  # a plugin that cannot import is a config error now
-                self._await(lambda w: w.state != "starting", "import the reward function")
+                self._await(lambda w: w.state != "starting", f"import the {self.KIND} function")
         except BaseException:
             self.close()
             raise
@@ -174,7 +183,7 @@ class RewardPool:
                 events += self._receive(w)
             now = time.monotonic()
             for w in [w for w in self._workers if w.deadline < now]:
-                message = (f"TimeoutError: no result within reward.verify_timeout_s="
+                message = (f"TimeoutError: no result within {self.TIMEOUT_KEY}="
                            f"{self.timeout_s:g}s (worker killed and replaced)")
                 events += self._fail_and_replace(w, "hung", message)
             for (b, i), outcome in events:
@@ -202,7 +211,7 @@ class RewardPool:
             # Its own session: a terminal's Ctrl-C is for the driver, and killing the worker's
             # process group also ends what a plugin started.
             proc = subprocess.Popen(
-                [sys.executable, "-m", "rl.rewards.worker", str(child.fileno()), str(os.getpid())],
+                [sys.executable, "-m", self.WORKER_MODULE, str(child.fileno()), str(os.getpid())],
                 pass_fds=[child.fileno()], env=env, start_new_session=True)
         finally:
             child.close()
@@ -256,18 +265,18 @@ class RewardPool:
         if w.state != "ready":
             self._start_failures += 1
             if self._start_failures >= MAX_START_FAILURES:
-                raise RuntimeError(f"reward workers for {self.function!r} keep dying before "
+                raise RuntimeError(f"{self.KIND} workers for {self.function!r} keep dying before "
                                    f"they are ready (the last {describe_exit(code)})")
         else:
             self.restarts += 1
-            log.warning("reward worker %d %s (%s); replacing it", w.proc.pid, why,
+            log.warning("%s worker %d %s (%s); replacing it", self.KIND, w.proc.pid, why,
                         describe_exit(code))
         new = self._spawn()
         w.proc, w.conn, w.state, w.start_deadline, w.queue, w.deadline = (
             new.proc, new.conn, "starting", None, deque(), float("inf"))
         if not queue:
             return []
-        message = message or (f"WorkerDied: the reward worker {describe_exit(code)} during "
+        message = message or (f"WorkerDied: the {self.KIND} worker {describe_exit(code)} during "
                               f"the call (replaced)")
         return [(queue[0], (False, message))] + [(tag, None) for tag in queue[1:]]
 
@@ -284,7 +293,7 @@ class RewardPool:
             while late(w) and w.conn.poll():
                 self._receive(w)  # a starting worker has no calls: no outcome is lost
             if late(w):
-                raise RuntimeError(f"reward worker {w.proc.pid} for {self.function!r} was not "
+                raise RuntimeError(f"{self.KIND} worker {w.proc.pid} for {self.function!r} was not "
                                    f"ready {START_TIMEOUT_S:g}s after the pool began waiting "
                                    "for it")
 
@@ -295,7 +304,7 @@ class RewardPool:
                 try:
                     msg = w.conn.recv()
                 except (EOFError, OSError):
-                    raise RuntimeError(f"reward worker {w.proc.pid} {describe_exit(_kill(w))} "
+                    raise RuntimeError(f"{self.KIND} worker {w.proc.pid} {describe_exit(_kill(w))} "
                                        f"before it could {what}") from None
                 if msg[0] == "config_error":
                     raise ConfigError(msg[1])

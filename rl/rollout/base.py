@@ -96,6 +96,18 @@ class Sample:
     routing: np.ndarray | None = None
     """(P + R - 1, layers, top_k) uint8/uint16 expert ids of every input token, when asked for
     (`SamplingParams.return_routing`; format in `rl.rollout.routing`)."""
+    # ---- multi-turn episodes (`env.path`, rl/envs/): None for a single-turn sample ----------
+    loss_mask: list[int] | None = None
+    """Per response token: 1 where the model sampled it, 0 for environment tokens (tool
+    results, which the model reads but is not trained on; their `logprobs` are 0)."""
+    turns: list[dict] | None = None
+    """Per model turn: `start`, `end` (its tokens are response_ids[start:end]), `tool_calls`
+    ([name, arguments] pairs parsed from it) and `observation` (the environment's text appended
+    after it, or None)."""
+    env_reward: float | None = None
+    """The environment's reward for the episode (0 when it failed or was cut)."""
+    env_error: str | None = None
+    """Why the environment failed on this episode (None: it did not)."""
 
     @property
     def oldest_version(self) -> int:

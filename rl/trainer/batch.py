@@ -26,6 +26,10 @@ class TrainBatch:
     """Routing replay (r3): per sample the rollout engine's expert ids, (prompt + response - 1,
     layers, top_k) uint8/uint16 (`rl.rollout.routing`); it covers prompt positions too, so it is
     not a per-token extra: `rl.rollout.routing.check_routing` checks its shape per sample."""
+    loss_mask: list | None = None
+    """Multi-turn (rl/envs/): per sample, per response token 1 where the model sampled it and 0
+    for environment tokens (tool results). The loss, KL, entropy and TIS count only tokens
+    with 1; environment tokens are context. None = every response token counts."""
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -49,17 +53,21 @@ class TrainBatch:
     @classmethod
     def from_samples(cls, samples, advantages: list[float], routing: bool = False) -> TrainBatch:
         """From rollout `Sample`s (rl.rollout.base), in batch order; `routing`: carry theirs."""
+        masked = any(s.loss_mask is not None for s in samples)
         return cls(prompt_ids=[s.prompt_ids for s in samples],
                    response_ids=[s.response_ids for s in samples],
                    rollout_logprobs=[s.logprobs for s in samples], advantages=list(advantages),
-                   routing=[s.routing for s in samples] if routing else None)
+                   routing=[s.routing for s in samples] if routing else None,
+                   loss_mask=[s.loss_mask if s.loss_mask is not None
+                              else [1] * len(s.response_ids) for s in samples]
+                   if masked else None)
 
     def lengths(self) -> list[int]:
         """Prompt + response tokens of each sample."""
         return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
 
 
-PER_TOKEN_EXTRAS: tuple[str, ...] = ()
+PER_TOKEN_EXTRAS: tuple[str, ...] = ("loss_mask",)
 """Names of TrainBatch's optional per-token fields (declared under "optional per-token extras")."""
 
 

@@ -53,7 +53,7 @@ class TrainerReplay:
         if mb.weight > 0:
             self._add("routing_agree", cap.agree)
             self._add("routing_total", cap.total)
-            mask = mb.resp_mask[:, 1:].to(logp.device).bool()
+            mask = mb.train_mask[:, 1:].to(logp.device).bool()
             rollout = mb.rollout_logp[:, 1:].to(logp.device)
             tokens = float(mask.sum())
             self._add("tokens", tokens)

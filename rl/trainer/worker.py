@@ -30,7 +30,8 @@ from rl.faults import TrainerFaults
 from rl.trainer import losses
 from rl.trainer.batch import TrainBatch, TrainStats
 from rl.trainer.checkpoint_io import RecordingCheckpointEngine, rank_files
-from rl.trainer.microbatch import Micro, micro_batches, pad_batch
+from rl.trainer.microbatch import (Micro, loss_count, micro_batches, micro_policy_loss,
+                                   pad_batch)
 from rl.trainer.weights import WeightSender
 
 
@@ -255,18 +256,39 @@ class TrainerWorker:
 
     def _load(self, model_dir: str, device: torch.device):
         from rl.models.loading import load_model
-        return load_model(model_dir, dtype=self.dtype, device=device,  # type: ignore[arg-type]  # lint baseline (issue 39)
-                          attention=self.cfg.attention_kernel)
+        model = load_model(model_dir, dtype=self.dtype, device=device,  # type: ignore[arg-type]  # lint baseline (issue 39)
+                           attention=self.cfg.attention_kernel)
+        if self.cfg.chunked_lm_head:  # before DeepSpeed hooks the modules (ZeRO-3 gathers)
+            from rl.trainer.lm_head import LogprobHead
+            LogprobHead.install(model)
+        return model
 
     # ---- log-probs -----------------------------------------------------------------------
-    def _forward_logprobs(self, model, mb: Micro) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-prob (B, L-1) of each next token, the logits (B, L-1, V) it came from)."""
-        out = model(input_ids=mb.input_ids.to(self.device),
-                    attention_mask=mb.attention_mask.to(self.device), use_cache=False)
-        # logits[t] predicts token t+1: response token j sits at input position P + j.
-        logits = out.logits[:, :-1]  # token_logprobs upcasts chunk by chunk
-        targets = mb.input_ids[:, 1:].to(self.device)
-        return losses.token_logprobs(logits, targets), logits
+    def _forward_logprobs(self, model, mb: Micro, entropy: str = "none"
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-prob (B, L-1) of each next token, its entropy (B, L-1) or None). `entropy`:
+        `none`; `metric` (detached: logged only, no graph kept for it); `loss` (differentiable).
+        `model` is the DeepSpeed engine (training: its forward advances ZeRO-3's micro-step) or
+        an HF model (scoring, the reference)."""
+        kwargs = dict(input_ids=mb.input_ids.to(self.device),
+                      attention_mask=mb.attention_mask.to(self.device), use_cache=False)
+        # position t predicts token t+1: response token j sits at input position P + j.
+        targets = kwargs["input_ids"][:, 1:]
+        if self.cfg.chunked_lm_head:  # rl.trainer.lm_head: no (B, L-1, V) logits
+            head = getattr(model, "module", model).get_output_embeddings()
+            with head.logprobs_of(targets, entropy=entropy != "none",
+                                  chunk_rows=self.cfg.lm_head_chunk_rows):
+                pairs = model(**kwargs).logits  # (B, L-1, 2): [log-prob, entropy]
+            ent = pairs[..., 1] if entropy == "loss" else pairs[..., 1].detach()
+            return pairs[..., 0], ent if entropy != "none" else None
+        logits = model(**kwargs).logits[:, :-1]  # token_logprobs upcasts chunk by chunk
+        logp = losses.token_logprobs(logits, targets)
+        if entropy == "loss":
+            return logp, losses.entropy_from_logits(logits)
+        if entropy == "metric":
+            with torch.no_grad():
+                return logp, losses.entropy_from_logits(logits.detach())
+        return logp, None
 
     @torch.no_grad()
     def score(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
@@ -353,18 +375,10 @@ class TrainerWorker:
         """The policy loss of one micro-batch under the current weights, with its statistics."""
         # Through the engine (not engine.module): DeepSpeed's forward advances ZeRO-3's
         # micro-step, without which each micro-batch overwrites the last one's grads.
-        logp, logits = self._forward_logprobs(self.engine, mb)
-        if self.algo.entropy_coef > 0:
-            ent = losses.entropy_from_logits(logits)
-        else:  # logged only: no graph kept for it
-            with torch.no_grad():
-                ent = losses.entropy_from_logits(logits.detach())
-        mask = mb.resp_mask[:, 1:].to(self.device)
-        rollout = mb.rollout_logp[:, 1:].to(self.device)
-        loss, st = losses.policy_loss(
-            logp, frozen.old, advantages[mb.index].to(self.device), mask, self.algo,
-            rollout_logp=rollout if self.algo.tis_cap is not None else None,
-            ref_logp=frozen.ref, entropy=ent, agg_denominator=denom)
+        logp, ent = self._forward_logprobs(self.engine, mb,
+                                           "loss" if self.algo.entropy_coef > 0 else "metric")
+        loss, st = micro_policy_loss(logp, frozen.old, frozen.ref, ent,
+                                     advantages[mb.index].to(self.device), mb, self.algo, denom)
         return self.faults.poison(loss, self.rank, step), st
 
     def _step_if_finite(self, finite: bool) -> bool:
@@ -476,8 +490,7 @@ class TrainerWorker:
         for mb in group:
             if mb.weight == 0:
                 continue
-            mask = mb.resp_mask[:, 1:]
-            local += float(mask.sum()) if self.algo.loss_agg == "token" else float((mask.sum(1) > 0).sum())
+            local += loss_count(mb, self.algo.loss_agg)
         t = torch.tensor([local], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return max(float(t.item()), 1.0)
@@ -631,10 +644,15 @@ class TrainerWorker:
         return self.rank
 
     def kernels(self) -> dict[str, str | None]:
-        """{"attention", "experts"}: the implementations the actor's forward runs."""
-        config = self.engine.module.config
+        """{"attention", "experts", "lm_head"}: the implementations the actor's forward runs
+        (`lm_head`: `chunked`, rl.trainer.lm_head, or `full` logits)."""
+        from rl.trainer.lm_head import LogprobHead
+        module = self.engine.module
+        config = module.config
+        head = module.get_output_embeddings()
         return {"attention": config._attn_implementation,
-                "experts": getattr(config, "_experts_implementation", None)}
+                "experts": getattr(config, "_experts_implementation", None),
+                "lm_head": "chunked" if isinstance(head, LogprobHead) else "full"}
 
     def shutdown(self) -> None:
         self.sender.close()

@@ -1,5 +1,6 @@
-"""`python -m bench.v4_layer --smoke`: two tiny V4 layers (CSA, HCA) on CPU in BF16 through both
-paths; the result files carry every field the GPU table reports, and the paths agree on the loss."""
+"""`python -m bench.v4_layer --smoke`: two tiny V4 layers (CSA, HCA) on CPU in BF16 through the
+three paths; the result files carry every field the GPU table reports, and the paths agree on the
+loss."""
 import json
 import os
 import subprocess
@@ -29,17 +30,22 @@ def test_v4_layer_smoke(tmp_path):
     assert result["config"]["layer_types"] == ["compressed_sparse_attention",
                                                "heavily_compressed_attention"]
     rows = {r["path"]: r for r in result["rows"]}
-    assert set(rows) == {"eager", "project"}
+    assert set(rows) == {"eager", "project", "fused"}
     for path, row in rows.items():
         assert row["result"] == "ok", path
         assert ROW_FIELDS <= set(row), (path, ROW_FIELDS - set(row))
         assert row["seconds"] > 0 and 0 < row["MFU_active"] < row["MFU_with_core"]
         assert row["limit_s"] < row["seconds"]
-    # BF16 on both paths: eager rounds its scores to bf16, the project's path keeps them fp32
-    eager, ours = rows["eager"]["loss"], rows["project"]["loss"]
-    assert abs(ours - eager) / abs(eager) < 1e-2, (ours, eager)
-    assert abs(rows["project"]["grad_norm"] / rows["eager"]["grad_norm"] - 1) < 5e-2
+    # BF16 on every path: eager rounds its scores to bf16, the project's paths keep them fp32;
+    # fused mixes the streams in fp32 (rl.models.v4_layer)
+    eager = rows["eager"]["loss"]
+    for path in ("project", "fused"):
+        ours = rows[path]["loss"]
+        assert abs(ours - eager) / abs(eager) < 1e-2, (path, ours, eager)
+        assert abs(rows[path]["grad_norm"] / rows["eager"]["grad_norm"] - 1) < 5e-2, path
+    assert abs(rows["fused"]["loss"] / rows["project"]["loss"] - 1) < 5e-3
     table = (tmp_path / "v4_layer_smoke.md").read_text()
-    assert table.count("\n| 64 | ") == 2
+    assert table.count("\n| 64 | ") == 3
     assert "target >= 35% MFU on active params at 64 tokens: NOT MET" in table
-    assert "loss project vs eager at 64 tokens" in table
+    for pair in ("project vs eager", "fused vs eager", "fused vs project"):
+        assert f"loss {pair} at 64 tokens" in table, pair

@@ -60,13 +60,18 @@ def test_bf16_hf_engine_on_cuda(v4_dir, report):
     assert worst < 0.05
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["hf_layer", "fused_layer"])
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_deepspeed_trainer_trains_v4_on_cuda(v4_dir, zero_stage, report):
+def test_deepspeed_trainer_trains_v4_on_cuda(v4_dir, zero_stage, fused, report, monkeypatch):
     """DeepSpeed hands the model views into flat buffers, where V4's 3-element hyper-connection
     `scale` leaves the expert weights off 16-byte alignment at 1 rank, which grouped_mm refuses
     on CUDA ("expected data_ptr to be aligned to 16 bytes"): the worker's experts check and run
-    such calls as batched_mm (`rl.trainer.alignment`)."""
+    such calls as batched_mm (`rl.trainer.alignment`). With the fused layer (`RL_V4_LAYER=1`)
+    the compiled functions get aligned copies of the misaligned norm and mixer weights
+    (inductor's kernels fault on them: "CUDA error: misaligned address")."""
     pytest.importorskip("deepspeed")
+    from rl.models import v4_layer
+    monkeypatch.setenv(v4_layer.ENV, "1" if fused else "0")
     from rl.cluster.actors import ProcActor, wait_all
     from rl.cluster.groups import free_port
     from rl.config import AlgorithmConfig, SyncConfig, TrainerConfig
@@ -89,8 +94,10 @@ def test_deepspeed_trainer_trains_v4_on_cuda(v4_dir, zero_stage, report):
                            advantages=[1.0 if i % 2 else -1.0 for i in range(8)])
         stats = wait_all([actor.call("train_step", batch, 1)], timeout=300)[0].metrics
         (kernels,) = wait_all([actor.call("kernels")], timeout=60)
-        report(f"v4_zero{zero_stage}_cuda", **kernels, grad_norm=stats["train/grad_norm"])
-        assert kernels["experts"] == alignment.IMPLEMENTATION
+        report(f"v4_zero{zero_stage}_{'fused' if fused else 'hf'}_cuda", **kernels,
+               grad_norm=stats["train/grad_norm"])
+        assert kernels["experts"] == (v4_layer.IMPLEMENTATION if fused
+                                      else alignment.IMPLEMENTATION)
         assert stats["train/grad_norm"] > 0 and all(
             v == v and abs(v) != float("inf") for v in stats.values())
     finally:

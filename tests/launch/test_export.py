@@ -161,8 +161,11 @@ def test_export_errors(qwen_run, tmp_path):
     cases = [((tmp_path / "nope", "--out", tmp_path / "o"), "no such run directory"),
              ((run_dir, "--step", 7, "--out", tmp_path / "o", "--model-dir", model_dir),
               "no checkpoint of step 7 (checkpoints: 1, 2)"),
-             ((run_dir, "--format", "deepseek-v4", "--out", tmp_path / "o"),
-              "not implemented yet (issue 41)")]
+             ((run_dir, "--format", "deepseek-v4", "--out", tmp_path / "o", "--model-dir",
+               model_dir, "--no-verify"),
+              "model_type 'qwen3_moe'; --format deepseek-v4 writes DeepSeek-V4 only"),
+             ((run_dir, "--experts", "fp8", "--out", tmp_path / "o"),
+              "--experts is for --format deepseek-v4")]
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     cases.append(((run_dir, "--out", tmp_path / "full", "--model-dir", model_dir, "--no-verify"),

@@ -88,6 +88,25 @@ def test_unknown_slurm_params_are_refused_before_anything_starts(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no run directory, no submitit folder
 
 
+@pytest.mark.parametrize("section", ["wandb", "mlflow"])
+def test_an_enabled_tracker_without_its_package_is_refused_in_one_line(tmp_path, section):
+    """W&B / MLflow on, their package not importable (shadowed by one that raises ImportError, as
+    a missing install does): exit 2 naming the key and the extra, before anything starts."""
+    shadow = tmp_path / "site" / section
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(f"raise ImportError(\"No module named '{section}'\")\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}"}
+    runs = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "launch.submit", LOCAL, f"output_dir={runs}",
+                           f"logging.{section}.enabled=true", "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert_refused_in_one_line(
+        proc, f"config error: logging.{section}.enabled: got true, but {section} cannot be "
+              f"imported (No module named '{section}'); install it with pip install -e "
+              f"'.[{section}]', or set logging.{section}.enabled: false")
+    assert not runs.exists()
+
+
 def write_jsonl(path, lines):
     path.write_text("".join(line + "\n" for line in lines))
     return path

@@ -46,7 +46,7 @@ def test_3node_dry_run_prints_the_hetjob_and_the_plan_and_submits_nothing(sbatch
     trainer, rollout = script.split("\n#SBATCH hetjob\n")
     assert "#SBATCH --nodes=2" in trainer and "#SBATCH --gpus-per-node=8" in trainer
     assert "#SBATCH --nodes=1" in rollout and "#SBATCH --gpus-per-node=8" in rollout
-    assert "plan: FITS, estimated step 51.9 min (rollout" in out
+    assert "plan: FITS, estimated step 26.5 min (rollout" in out
     skipped = out.split("checks not run here:\n", 1)[1]
     assert "model checkpoint: model.path /shared/models/DeepSeek-V4-Flash-BF16 is not on" in skipped
     assert f"data: {cfg.data.train_path}, {cfg.data.eval_path}: not on this machine" in skipped
@@ -94,7 +94,8 @@ def test_local_dry_run_says_what_would_start(sbatch, tmp_path, capsys):
 
 @pytest.mark.parametrize("overrides, needle", [
     (["trainer.zero_stag=3"], "config error: <command line>:trainer.zero_stag: unknown key"),
-    (["trainer.optimizer_offload=cpu"], "refusing to submit, the memory plan above does not fit"),
+    (["trainer.zero_stage=3", "trainer.expert_parallel_size=1"],
+     "refusing to submit, the memory plan above does not fit"),
 ])
 def test_a_bad_config_is_still_refused_in_one_line(sbatch, overrides, needle, capsys):
     with pytest.raises(SystemExit) as exit_info:

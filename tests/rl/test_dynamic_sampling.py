@@ -9,7 +9,7 @@ import pytest
 
 from rl.config import AlgorithmConfig, ConfigError, load_config
 from rl.data.sampler import PromptSampler
-from rl.dynamic_sampling import fill_batch, overlong_penalties, zero_spread
+from rl.dynamic_sampling import fill_batch, overlong_penalties, sample_penalties, zero_spread
 from rl.loop import TrainState
 from rl.pipeline import RolloutBatch, RolloutPipeline, refill_seed, resume_seed, rollout_seed
 from rl.rewards.computer import RewardBreakdown
@@ -129,11 +129,11 @@ class _Generator:
     def __init__(self, hang=False):
         self.calls, self.hang, self.abandoned = [], hang, False
 
-    def start(self, prompts, sampling, seed):
+    def start(self, prompts, sampling, seed, **rows):
         self.calls.append((prompts, seed))
         return _Generation([[_sample()] * sampling.n for _ in prompts], self.hang)
 
-    def finish(self, gen, prompts, sampling, seed):
+    def finish(self, gen, prompts, sampling, seed, **rows):
         return gen.result(), gen.seconds
 
     def abandon(self):
@@ -217,6 +217,20 @@ def test_dynamic_sampling_needs_more_than_one_sample_per_prompt():
     assert cfg.algorithm.dynamic_sampling and cfg.algorithm.max_gen_rounds == 4
 
 
+def test_multi_turn_episodes_are_penalised_against_their_own_budget():
+    """An episode's response holds model and environment tokens up to env.max_response_tokens;
+    the overlong penalty and its check count against that budget, not one turn's."""
+    env = ["env.path=tests.rl.envs.envs:Relay", "env.max_response_tokens=24"]
+    cfg = load_config("configs/local.yaml", [*env, "algorithm.overlong_buffer=16"])
+    assert cfg.rollout.max_new_tokens == 8 and cfg.response_budget == 24
+    assert load_config("configs/local.yaml", []).response_budget == 8
+    with pytest.raises(ConfigError, match=r"algorithm\.overlong_buffer: got 25, expected a value "
+                                          r"<= env\.max_response_tokens \(24\)"):
+        load_config("configs/local.yaml", [*env, "algorithm.overlong_buffer=25"])
+    episode = [_text("b" * 20)]  # 20 of 24 tokens: 12 past the 8 the buffer leaves unpenalised
+    assert sample_penalties(episode, cfg.response_budget, cfg.algorithm) == [-12 / 16]
+
+
 def test_defaults_leave_the_algorithm_as_it_was():
     alg = AlgorithmConfig()
     assert not alg.dynamic_sampling and alg.overlong_buffer == 0
@@ -246,7 +260,7 @@ def test_the_console_line_shows_the_rounds():
 class _TextGenerator(_Generator):
     """Prompt [1, i]: an odd i gets responses "a" and "bbbbbbbb" (8 tokens), an even i "a" twice."""
 
-    def start(self, prompts, sampling, seed):
+    def start(self, prompts, sampling, seed, **rows):
         self.calls.append((prompts, seed))
         return _Generation([[_text("a"), _text("a" if i % 2 == 0 else "bbbbbbbb")]
                             for _, i in prompts])
@@ -278,6 +292,7 @@ def _run(*overrides):
     sampling = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=8, seed=0)
     r = Run.__new__(Run)
     r.cfg, r.stop, r.source, r.rewards = cfg, StopRequest(), source, _Rewards()
+    r.episodes = None
     r.publisher = SimpleNamespace(weight_version=0)
     r.pipeline = RolloutPipeline(cfg, source, gen, sampling, r.stop)
     return r, gen

@@ -3,6 +3,7 @@ last one; every step still reaches metrics.jsonl."""
 import json
 
 from rl.config import load_config
+from rl.metrics.sinks import MetricFanOut
 from rl.metrics.tensorboard import MetricsLogger
 from rl.recorder import Recorder
 
@@ -12,7 +13,7 @@ def test_step_lines_every_n_steps_with_eval_and_last_steps(tmp_path, capsys):
                              "name=run"])
     cfg.run_dir.mkdir()
     recorder = Recorder(cfg)
-    recorder.tensorboard = MetricsLogger(tmp_path, enabled=False)
+    recorder.metrics = MetricFanOut(MetricsLogger(tmp_path, enabled=False))
     for step in range(1, 8):
         metrics = {"reward/mean": 0.5, **({"eval/pass1": 0.25} if step == 5 else {})}
         recorder.record(step, metrics)

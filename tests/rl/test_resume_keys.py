@@ -21,7 +21,7 @@ ACCEPTED = {
     CONTENT: {"data.train_path", "data.eval_path"},
     IGNORE: {"name", "output_dir", "trainer.nvme_path", "sft.cache_dir", "sync.timeout_s",
              "sync.bucket_mb", "sync.verify", "sync.backend", "sync.check_logprobs",
-             "sync.check_logprobs_tol", "reward.num_workers"},
+             "sync.check_logprobs_tol", "reward.num_workers", "env.num_workers"},
 }
 IGNORED_SECTIONS = ("cluster.", "checkpoint.", "logging.", "plan.")
 

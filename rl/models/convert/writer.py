@@ -84,7 +84,7 @@ def _write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-class _Reader:
+class ShardReader:
     """Tensors by name across shards (memory-mapped; one tensor is materialised at a time)."""
 
     def __init__(self, src: Source):
@@ -122,7 +122,7 @@ def keeps_mtp(target: str, experts: str) -> bool:
     return target == "rollout" and experts == "fp4"
 
 
-def _rollout_tensors(src: Source, reader: _Reader, name: str, experts: str):
+def _rollout_tensors(src: Source, reader: ShardReader, name: str, experts: str):
     """The rollout outputs of input tensor `name` (see the module doc)."""
     if experts == "fp4":
         yield name, reader.get(name)
@@ -139,7 +139,7 @@ def _rollout_tensors(src: Source, reader: _Reader, name: str, experts: str):
         yield name, reader.get(name)
 
 
-def _output_tensors(src: Source, reader: _Reader, shard: str, target: str, experts: str):
+def _output_tensors(src: Source, reader: ShardReader, shard: str, target: str, experts: str):
     """(name, tensor) pairs for the outputs of input `shard`, one at a time, in name order."""
     mtp = keeps_mtp(target, experts)
     for name in sorted(src.headers[shard]):
@@ -163,7 +163,7 @@ def _save_part(tensors: dict[str, torch.Tensor], out_dir: Path, fname: str) -> s
     return digest
 
 
-def _convert_shard(src: Source, reader: _Reader, shard_no: int, shard: str, target: str,
+def _convert_shard(src: Source, reader: ShardReader, shard_no: int, shard: str, target: str,
                    experts: str, out_dir: Path, max_shard_bytes: int) -> dict:
     """Write the parts of one input shard; returns its manifest entry (no files when the
     target keeps none of its tensors)."""
@@ -276,7 +276,7 @@ def convert(src: Source, out_dir: str | Path, target: str, *, rollout_experts: s
         manifest = {"fingerprint": fingerprint, "shards": {}}
     for stale in out_dir.glob(".*.tmp"):  # an interrupted write
         stale.unlink()
-    reader = _Reader(src)
+    reader = ShardReader(src)
     n = len(src.shards)
     for i, shard in enumerate(src.shards, start=1):
         entry = manifest["shards"].get(shard)

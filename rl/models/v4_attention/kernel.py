@@ -1,13 +1,16 @@
-"""Which implementation of `v4_attention` runs, and the Triton path's backward.
+"""Which implementation of `v4_attention` runs, and which backward the Triton path takes.
 
-On a CUDA device with Triton: the Triton forward (`triton_fwd.py`), and a backward that
-recomputes each query block's scores in torch (`chunked._block_attention`) and back-propagates
-through that block alone, so memory stays O(block x keys). Elsewhere: the chunked torch path,
-whose blocks are checkpointed (the same recompute-per-block backward, via autograd).
+On a CUDA device with Triton: the Triton forward (`triton_fwd.py`), which also saves each
+softmax row's logsumexp, and the Triton backward (`triton_bwd.py`, memory O(S)). With
+RL_V4_ATTENTION_BWD=torch the backward instead recomputes each query block's scores in torch
+(`chunked._block_attention`) and back-propagates through that block alone (memory O(block x
+keys); kept for comparison). Elsewhere: the chunked torch path, whose blocks are checkpointed
+(the same recompute-per-block backward, via autograd).
 """
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -15,6 +18,8 @@ from rl.models.v4_attention import chunked
 
 FORCE = os.environ.get("RL_V4_ATTENTION", "")
 """"torch" or "triton" overrides the choice by device (benchmarks, tests)."""
+BACKWARD = os.environ.get("RL_V4_ATTENTION_BWD", "triton")
+""""triton" (default) or "torch": the Triton path's backward (benchmarks compare them)."""
 
 
 def _use_triton(q: torch.Tensor) -> bool:
@@ -34,40 +39,66 @@ class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, comp, sinks, topk, thr, valid, scale, window):
         from rl.models.v4_attention.triton_fwd import v4_attention_fwd
-        ctx.save_for_backward(q, kv, comp, sinks, topk, thr, valid)
+        if BACKWARD not in ("triton", "torch"):
+            raise ValueError(f"RL_V4_ATTENTION_BWD={BACKWARD!r}: expected triton or torch")
         ctx.scale, ctx.window = scale, window
-        return v4_attention_fwd(q, kv, comp, topk, thr, valid, sinks, scale, window)
+        ctx.flash = BACKWARD == "triton" and any(ctx.needs_input_grad)
+        if not ctx.flash:
+            ctx.save_for_backward(q, kv, comp, sinks, topk, thr, valid)
+            return v4_attention_fwd(q, kv, comp, topk, thr, valid, sinks, scale, window)
+        out, lse = v4_attention_fwd(q, kv, comp, topk, thr, valid, sinks, scale, window,
+                                    return_lse=True)
+        # the output too (one more q-sized tensor): delta = dO.O needs it
+        ctx.save_for_backward(q, kv, comp, sinks, topk, thr, valid, out, lse)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, kv, comp, sinks, topk, thr, valid = ctx.saved_tensors
-        leaves = [t.detach().requires_grad_() if t is not None else None
-                  for t in (kv, comp, sinks)]
-        kv_, comp_, sinks_ = leaves
-        dq = torch.empty_like(q)
-        sums = [None, None, None]
-        block = chunked.QUERY_BLOCK
-        for q0 in range(0, q.shape[2], block):
-            q1 = min(q0 + block, q.shape[2])
-            with torch.enable_grad():
-                qb = q[:, :, q0:q1].detach().requires_grad_()
-                out = chunked._block_attention(
-                    qb, kv_, comp_, None if topk is None else topk[:, q0:q1],
-                    None if thr is None else thr[:, q0:q1], valid, sinks_, q0, ctx.scale,
-                    ctx.window)
-                wrt = [qb] + [t for t in leaves if t is not None]
-                grads = torch.autograd.grad(out, wrt, grad_out[:, :, q0:q1], allow_unused=True)
-            dq[:, :, q0:q1] = grads[0]
-            rest = iter(grads[1:])
-            for i, leaf in enumerate(leaves):
-                if leaf is None:
-                    continue
-                g = next(rest)
-                if g is not None:
-                    sums[i] = g.float() if sums[i] is None else sums[i].add_(g)
-        dkv, dcomp, dsinks = [None if s is None else s.to(t.dtype)
-                              for s, t in zip(sums, (kv, comp, sinks))]
+        saved = ctx.saved_tensors
+        grads = None
+        if ctx.flash:
+            from rl.models.v4_attention.triton_bwd import NoTileFits, v4_attention_bwd
+            q, kv, comp, sinks, topk, thr, valid, out, lse = saved
+            try:
+                grads = v4_attention_bwd(grad_out, q, kv, comp, topk, thr, valid, sinks, out,
+                                         lse, ctx.scale, ctx.window)
+            except NoTileFits as e:  # e.g. fp32 at head_dim 512 on a small-smem GPU
+                warnings.warn(f"{e}: this backward recomputes in torch instead", stacklevel=2)
+        if grads is None:
+            grads = _torch_backward(saved[:7], grad_out, ctx.scale, ctx.window)
+        dq, dkv, dcomp, dsinks = grads
         return dq, dkv, dcomp, dsinks, None, None, None, None, None
+
+
+def _torch_backward(saved, grad_out, scale, window):
+    """(dq, dkv, dcomp, dsinks): each query block's scores recomputed in torch, through autograd."""
+    q, kv, comp, sinks, topk, thr, valid = saved
+    leaves = [t.detach().requires_grad_() if t is not None else None
+              for t in (kv, comp, sinks)]
+    kv_, comp_, sinks_ = leaves
+    dq = torch.empty_like(q)
+    sums = [None, None, None]
+    block = chunked.QUERY_BLOCK
+    for q0 in range(0, q.shape[2], block):
+        q1 = min(q0 + block, q.shape[2])
+        with torch.enable_grad():
+            qb = q[:, :, q0:q1].detach().requires_grad_()
+            out = chunked._block_attention(
+                qb, kv_, comp_, None if topk is None else topk[:, q0:q1],
+                None if thr is None else thr[:, q0:q1], valid, sinks_, q0, scale, window)
+            wrt = [qb] + [t for t in leaves if t is not None]
+            grads = torch.autograd.grad(out, wrt, grad_out[:, :, q0:q1], allow_unused=True)
+        dq[:, :, q0:q1] = grads[0]
+        rest = iter(grads[1:])
+        for i, leaf in enumerate(leaves):
+            if leaf is None:
+                continue
+            g = next(rest)
+            if g is not None:
+                sums[i] = g.float() if sums[i] is None else sums[i].add_(g)
+    dkv, dcomp, dsinks = [None if s is None else s.to(t.dtype)
+                          for s, t in zip(sums, (kv, comp, sinks))]
+    return dq, dkv, dcomp, dsinks
 
 
 def attention(q_BHSD, kv_BSD, comp_BTD, topk_BSK, thr_BS, valid_BS, sinks_H, scale, window):

@@ -7,7 +7,8 @@ CSA: the indexer's picks, gathered by index). The softmax state starts at the si
 (m = sink, l = 1), which puts the sink in the denominator and keeps m finite for queries with
 no visible key. The accumulator holds DV of the head's D output channels (head_dim 512 gives an
 fp32 accumulator too large for one program's registers), so the D / DV programs of a token each
-recompute q.k; the scores are never stored. Backward: see `kernel.py` (recompute per block).
+recompute q.k; the scores are never stored, only each (token, head)'s logsumexp (the sink
+included) when the backward asks for it. Backward: `triton_bwd.py` (or `kernel.py`'s recompute).
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ def _tile(q, rows, ok, offs_d, offs_dv, m_i, l_i, acc, scale):
 
 @triton.jit
 def _v4_attn_fwd(q_ptr, kv_ptr, comp_ptr, topk_ptr, thr_ptr, valid_ptr, sinks_ptr, out_ptr,
-                 S, T, H, K, window, scale,
+                 lse_ptr, S, T, H, K, window, scale,
                  sq_b, sq_h, sq_s, so_b, so_h, so_s,
-                 MODE: tl.constexpr, HAS_VALID: tl.constexpr, D: tl.constexpr,
+                 MODE: tl.constexpr, HAS_VALID: tl.constexpr, STORE_LSE: tl.constexpr,
+                 D: tl.constexpr,
                  DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
     t = tl.program_id(0)
     n_split: tl.constexpr = D // DV
@@ -78,11 +80,15 @@ def _v4_attn_fwd(q_ptr, kv_ptr, comp_ptr, topk_ptr, thr_ptr, valid_ptr, sinks_pt
     out = acc / l_i[:, None]
     tl.store(out_ptr + b * so_b + t * so_s + offs_h[:, None] * so_h + offs_dv[None, :],
              out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+    if STORE_LSE:  # every D / DV program of the token has the same m, l: the first stores
+        if dv0 == 0:
+            tl.store(lse_ptr + (b * S + t) * H + offs_h, m_i + tl.log(l_i), mask=h_ok)
 
 
 def v4_attention_fwd(q_BHSD, kv_BSD, comp_BTD, topk_BSK, thr_BS, valid_BS, sinks_H, scale,
-                     window, block_n: int = 64, dv: int | None = None) -> torch.Tensor:
-    """Forward of `chunked.v4_attention` (same arguments); returns (B, H, S, D)."""
+                     window, block_n: int = 64, dv: int | None = None, return_lse: bool = False):
+    """Forward of `chunked.v4_attention` (same arguments); returns (B, H, S, D), and with
+    `return_lse` also the (B, S, H) fp32 logsumexp of each softmax row (scaled logits and sink)."""
     B, H, S, D = q_BHSD.shape
     if q_BHSD.stride(3) != 1:
         q_BHSD = q_BHSD.contiguous()
@@ -95,13 +101,14 @@ def v4_attention_fwd(q_BHSD, kv_BSD, comp_BTD, topk_BSK, thr_BS, valid_BS, sinks
     valid = valid_BS.to(torch.int8).contiguous() if valid_BS is not None else thr
     # (B, S, H, D) storage: what the caller transposes to anyway
     out = torch.empty(B, S, H, D, dtype=q_BHSD.dtype, device=q_BHSD.device).transpose(1, 2)
+    lse = torch.empty(B, S, H, dtype=torch.float32, device=q_BHSD.device) if return_lse else thr
     dv = dv or min(D, 256)
     grid = (S, B * (D // dv))
-    args = (q_BHSD, kv, comp, topk, thr, valid, sinks_H.float().contiguous(), out,
+    args = (q_BHSD, kv, comp, topk, thr, valid, sinks_H.float().contiguous(), out, lse,
             S, T, H, topk.shape[-1] if mode == 1 else 0, window, scale,
             q_BHSD.stride(0), q_BHSD.stride(1), q_BHSD.stride(2),
             out.stride(0), out.stride(1), out.stride(2))
-    meta = dict(MODE=mode, HAS_VALID=valid_BS is not None, D=D, DV=dv,
+    meta = dict(MODE=mode, HAS_VALID=valid_BS is not None, STORE_LSE=return_lse, D=D, DV=dv,
                 BLOCK_H=max(16, triton.next_power_of_2(H)), num_warps=8 if dv >= 256 else 4)
     # Tiles of head_dim 512 press on shared memory: fall back to smaller ones if a config
     # does not fit, and remember the first that did.
@@ -112,7 +119,7 @@ def v4_attention_fwd(q_BHSD, kv_BSD, comp_BTD, topk_BSK, thr_BS, valid_BS, sinks
         except triton.runtime.errors.OutOfResources:
             continue
         _TILES[key] = [(bn, stages)]
-        return out
+        return (out, lse) if return_lse else out
     raise RuntimeError(f"no Triton tile config fits head_dim {D}")
 
 

@@ -38,13 +38,13 @@ def test_engine_logprobs_match_trainer_after_every_sync(finished_run):
 
 def test_tensorboard_holds_every_documented_tag_and_serves_them(finished_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from rl.metrics.tensorboard import METRIC_TAGS, REPLAY_TAGS
+    from rl.metrics.tensorboard import ENV_TAGS, METRIC_TAGS, REPLAY_TAGS
     cfg, _ = finished_run
     logdir = cfg.run_dir / "tensorboard"
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     acc.Reload()
     mode = cfg.algorithm.routing_replay
-    expected = {t for t in METRIC_TAGS if REPLAY_TAGS.get(t, mode) == mode}
+    expected = {t for t in METRIC_TAGS if REPLAY_TAGS.get(t, mode) == mode} - ENV_TAGS
     missing = expected - set(acc.Tags()["scalars"])
     assert not missing, missing
     assert [e.step for e in acc.Scalars("reward/mean")] == list(range(1, cfg.num_steps + 1))

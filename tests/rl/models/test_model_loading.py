@@ -60,6 +60,29 @@ def test_bf16_load_keeps_integer_buffers(preset_dirs):
     assert not model.training
 
 
+def test_v4_load_installs_the_fused_layer_on_request(preset_dirs, monkeypatch):
+    """load_model gives DeepSeek-V4 rl.models.v4_layer with RL_V4_LAYER=1 (and not without): its
+    decoder layers, mixers, norms, MoE blocks and shared experts, and its scatter-free experts
+    implementation."""
+    from rl.models.v4_layer import modules
+    from rl.models.v4_layer.moe import IMPLEMENTATION
+    monkeypatch.delenv("RL_V4_LAYER", raising=False)
+    plain = load_model(preset_dirs["tiny-deepseek-v4"], torch.bfloat16)
+    assert not any(type(layer) is modules.FusedDecoderLayer for layer in plain.model.layers)
+    monkeypatch.setenv("RL_V4_LAYER", "1")
+    model = load_model(preset_dirs["tiny-deepseek-v4"], torch.bfloat16)
+    layers = model.model.layers
+    assert all(type(layer) is modules.FusedDecoderLayer for layer in layers)
+    for layer in layers:
+        assert type(layer.attn_hc) is type(layer.ffn_hc) is modules.FusedHyperConnection
+        assert type(layer.mlp) is modules.FusedMoeBlock
+        assert type(layer.mlp.shared_experts) is modules.FusedMLP
+        assert type(layer.input_layernorm) is modules.FusedRMSNorm
+    assert type(model.model.hc_head) is modules.FusedHyperHead
+    assert type(model.model.norm) is modules.FusedRMSNorm
+    assert model.config._experts_implementation == IMPLEMENTATION
+
+
 def test_vllm_cpu_overrides_select_torch_rotary_for_mla_only(preset_dirs):
     from rl.models.loading import vllm_cpu_overrides
 

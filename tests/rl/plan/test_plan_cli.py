@@ -24,7 +24,9 @@ def test_v4_plan_prints_breakdown_and_verdict():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for needle in ("284.33B parameters", "Trainer: 2 node(s) x 8 rank(s) = 16 ranks",
-                   "parameters (bf16, 1/16)", "AdamW moments", "activations: decoder layers",
+                   "parameters (bf16)", "AdamW moments", "activations: decoder layers",
+                   "activations: LM head, chunked (1,024 rows of logits at a time)",
+                   "routed experts (1/16, expert parallel)",
                    "weights per GPU: FP8", "vs BF16", "fp8_ds_mla", "3.8 KiB/token",
                    "concurrent sequences",
                    "verdict: FITS", "Verdict: FITS"):
@@ -43,7 +45,8 @@ def test_planning_imports_neither_torch_nor_transformers():
 
 
 def test_plan_that_does_not_fit_exits_1_with_suggestions():
-    proc, _ = run(V4, "trainer.optimizer_offload=cpu")
+    # ZeRO-3 without expert parallelism: every rank's optimizer state in host RAM
+    proc, _ = run(V4, "trainer.zero_stage=3", "trainer.expert_parallel_size=1")
     assert proc.returncode == 1
     assert "verdict: DOES NOT FIT - host RAM per node: needs 2.3 TiB" in proc.stdout
     assert "trainer.optimizer_offload=nvme" in proc.stdout and "cluster.trainer.nodes=3" in proc.stdout
@@ -78,7 +81,8 @@ def test_model_config_override_is_used(tmp_path, fixtures_dir):
 
 
 def test_submit_refuses_a_config_that_does_not_fit():
-    proc, _ = run(V4, "trainer.optimizer_offload=cpu", module="launch.submit")
+    proc, _ = run(V4, "trainer.zero_stage=3", "trainer.expert_parallel_size=1",
+                  module="launch.submit")
     assert proc.returncode == 2
     assert "Verdict: DOES NOT FIT: trainer" in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (

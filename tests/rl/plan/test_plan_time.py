@@ -10,6 +10,10 @@ from rl.plan import check
 from rl.plan.timing import DEVICES, ring_s
 
 V4 = "configs/deepseek_v4_flash_3node.yaml"
+# The config's layout before the chunked LM head (ZeRO-3 gathering every expert over IB): the
+# tests below compare the ZeRO stages and expert parallelism from there.
+ZERO3 = ["trainer.zero_stage=3", "trainer.expert_parallel_size=1",
+         "trainer.optimizer_offload=nvme"]
 
 
 @pytest.fixture(scope="module")
@@ -50,21 +54,21 @@ def test_committed_table_is_what_the_code_computes(rows):
 
 
 def test_v4_plan_prints_time_breakdown_and_staleness_overlaps():
-    on = check(load_config([V4], []))
+    on = check(load_config([V4], ZERO3))
     text = on.report
     for part in ("Step time estimate", "ZeRO-3 collectives over IB", "weight sync:",
                  "decode: weights + KV", "step (on-policy: rollout + train + sync)"):
         assert part in text
     t = on.time
     assert t.total == pytest.approx(t.rollout + t.train + t.sync)
-    stale = check(load_config([V4], ["algorithm.max_staleness=1"])).time
+    stale = check(load_config([V4], ZERO3 + ["algorithm.max_staleness=1"])).time
     assert stale.total == pytest.approx(max(stale.rollout, stale.train + stale.sync))
     assert stale.total < t.total
 
 
 def test_expert_parallel_replaces_most_zero3_traffic():
-    base = check(load_config([V4], [])).time
-    ep = check(load_config([V4], ["trainer.expert_parallel_size=8"]))
+    base = check(load_config([V4], ZERO3)).time
+    ep = check(load_config([V4], ZERO3 + ["trainer.expert_parallel_size=8"]))
     assert "expert parallel 8: all-to-all" in ep.report
     assert ep.time.train < base.train / 1.5   # ZeRO-3 no longer gathers 256 experts per layer
 
@@ -132,15 +136,17 @@ def test_moe_actor_reader_predicts_bytes_from_the_model_not_from_the_measurement
 
 def test_collective_bytes_per_zero_stage(v4_flash):
     from rl.plan.timing import collective_bytes
-    base = load_config([V4], [])
+    base = load_config([V4], ZERO3)
     p2 = 2 * v4_flash.total_params   # bf16 bytes of every parameter
     z3 = collective_bytes(base, v4_flash, 32, 18432)
     assert z3["all_gather"] == 32 * 4 * p2 and z3["reduce_scatter"] == 32 * p2
-    no_ckpt = load_config([V4], ["trainer.activation_checkpointing=false"])
+    no_ckpt = load_config([V4], ZERO3 + ["trainer.activation_checkpointing=false"])
     assert collective_bytes(no_ckpt, v4_flash, 32, 18432)["all_gather"] == 32 * 3 * p2
-    z2 = collective_bytes(load_config([V4], ["trainer.zero_stage=2"]), v4_flash, 32, 18432)
+    z2 = collective_bytes(load_config([V4], ZERO3 + ["trainer.zero_stage=2"]), v4_flash, 32,
+                          18432)
     assert z2["all_gather"] == 4 * p2 and z2["reduce_scatter"] == 32 * p2   # 4 mini-batches
-    ep = collective_bytes(load_config([V4], ["trainer.expert_parallel_size=8"]), v4_flash, 1, 100)
+    ep = collective_bytes(load_config([V4], ZERO3 + ["trainer.expert_parallel_size=8"]),
+                          v4_flash, 1, 100)
     # 4 passes x 43 MoE layers x out and back x 100 tokens x top-6 x hidden 4096 x bf16
     assert ep["all_to_all"] == 4 * 43 * 2 * 100 * 6 * 4096 * 2
     assert ep["all_gather"] < z3["all_gather"]

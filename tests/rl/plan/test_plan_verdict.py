@@ -168,7 +168,7 @@ def test_expert_parallel_with_offload_keeps_the_experts_optimizer_state_in_host_
 
 
 def test_v4_flash_3node_fits_with_ep16_not_ep8(v4_flash):
-    # The 3-node config (ZeRO-3, optimizer offload to NVMe): with EP 16 each rank holds 16 of
+    # The 3-node config (ZeRO-2, EP 16, optimizer offload to host RAM): each rank holds 16 of
     # 256 experts per layer, their bf16 weights and gradients on the GPU, their fp32 state in
     # host RAM; EP 8 doubles both.
     v4 = "configs/deepseek_v4_flash_3node.yaml"

@@ -1,0 +1,204 @@
+"""Triton backward of `v4_attention` (flash-style: recompute the scores from the saved logsumexp).
+
+A program takes one token's (padded) heads, as the forward does, and walks the same keys in
+BLOCK_N tiles (sliding window, then HCA's prefix or CSA's gathered picks). Per tile, with
+p = exp(s - lse) and ds = p * (dO.v - delta) * scale, where delta = dO.O per (token, head):
+dq += ds @ k; the tile's keys get ds^T @ q + p^T @ dO (K = V, one head shared by all heads),
+summed over heads inside the MMA and added atomically into fp32 dkv / dcomp rows (a key is
+seen by up to `window` tokens, a CSA entry by any token that picked it; duplicate picks add
+twice, as in the forward). The sink has no value: d sink = -sum p_sink * delta, written per
+(token, head) and summed in torch. head_dim 512 makes a (heads x D) fp32 dq too large for one
+program's registers, so D / DV programs per token each own DV channels of dq and of the key
+gradients and recompute the full-D s and dO.v. Nothing of size (heads x S x keys) is stored.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile(q, do, qv, dov, rows, drows, ok, offs_d, offs_dv, lse, delta, dq, scale):
+    # rows / drows: (BLOCK_N,) pointers to each key's first channel in kv or comp / in its
+    # fp32 gradient; ok: which keys count. q, do: (H, D); qv, dov: their (H, DV) slices.
+    k = tl.load(rows[None, :] + offs_d[:, None], mask=ok[None, :], other=0.0)  # (D, N)
+    s = tl.dot(q, k) * scale  # (H, N) fp32
+    p = tl.where(ok[None, :], tl.exp(s - lse[:, None]), 0.0)
+    dp = tl.dot(do, k)
+    ds = p * (dp - delta[:, None]) * scale
+    v = tl.load(rows[:, None] + offs_dv[None, :], mask=ok[:, None], other=0.0)  # (N, DV)
+    dq = tl.dot(ds.to(v.dtype), v, dq)
+    dkv = tl.dot(tl.trans(ds.to(qv.dtype)), qv)
+    dkv = tl.dot(tl.trans(p.to(dov.dtype)), dov, dkv)  # (N, DV) fp32
+    tl.atomic_add(drows[:, None] + offs_dv[None, :], dkv, mask=ok[:, None], sem="relaxed")
+    return dq
+
+
+@triton.jit
+def _v4_attn_bwd(q_ptr, o_ptr, do_ptr, kv_ptr, comp_ptr, topk_ptr, thr_ptr, valid_ptr,
+                 sinks_ptr, lse_ptr, dq_ptr, dkv_ptr, dcomp_ptr, dsink_ptr,
+                 S, T, H, K, window, scale, t_stride, sq_b, sq_h, sq_s, so_b, so_h, so_s,
+                 MODE: tl.constexpr, HAS_VALID: tl.constexpr, D: tl.constexpr,
+                 DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    # o, do and dq share one layout (so_*); q has its own (sq_*). Programs launched together
+    # take tokens t_stride (>= window, coprime with S) apart: their windows do not overlap, so
+    # their atomic adds into dkv do not queue on the same rows.
+    t = (tl.program_id(0).to(tl.int64) * t_stride) % S  # int64: t * sq_s passes 2**31
+    n_split: tl.constexpr = D // DV
+    b = (tl.program_id(1) // n_split).to(tl.int64)
+    dv0 = (tl.program_id(1) % n_split) * DV
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    offs_dv = dv0 + tl.arange(0, DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h[:, None] < H
+    q_row = q_ptr + b * sq_b + t * sq_s + offs_h[:, None] * sq_h
+    o_row = b * so_b + t * so_s + offs_h[:, None] * so_h
+    q = tl.load(q_row + offs_d[None, :], mask=h_ok, other=0.0)
+    do = tl.load(do_ptr + o_row + offs_d[None, :], mask=h_ok, other=0.0)
+    o = tl.load(o_ptr + o_row + offs_d[None, :], mask=h_ok, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # (H,)
+    qv = tl.load(q_row + offs_dv[None, :], mask=h_ok, other=0.0)
+    dov = tl.load(do_ptr + o_row + offs_dv[None, :], mask=h_ok, other=0.0)
+    lse_at = (b * S + t) * H + offs_h
+    # padded heads: lse = inf makes their p (and so every gradient term) 0
+    lse = tl.load(lse_ptr + lse_at, mask=offs_h < H, other=float("inf"))
+    sink = tl.load(sinks_ptr + offs_h, mask=offs_h < H, other=0.0)
+    if dv0 == 0:
+        tl.store(dsink_ptr + lse_at, -tl.exp(sink - lse) * delta, mask=offs_h < H)
+    dq = tl.zeros((BLOCK_H, DV), tl.float32)
+    # sliding window: keys t - window + 1 .. t
+    for n0 in range(0, window, BLOCK_N):
+        j = t - window + 1 + n0 + offs_n
+        ok = (j >= 0) & (j <= t)
+        if HAS_VALID:
+            ok = ok & (tl.load(valid_ptr + b * S + j, mask=ok, other=0) != 0)
+        at = (b * S + j) * D
+        dq = _tile(q, do, qv, dov, kv_ptr + at, dkv_ptr + at, ok, offs_d, offs_dv, lse, delta,
+                   dq, scale)
+    if MODE == 1:  # CSA: the indexer's picks (-1 = none)
+        for n0 in range(0, K, BLOCK_N):
+            idx = tl.load(topk_ptr + (b * S + t) * K + n0 + offs_n, mask=n0 + offs_n < K,
+                          other=-1)
+            at = (b * T + idx) * D
+            dq = _tile(q, do, qv, dov, comp_ptr + at, dcomp_ptr + at, idx >= 0, offs_d,
+                       offs_dv, lse, delta, dq, scale)
+    if MODE == 2:  # HCA: entries 0 .. thr - 1
+        n_vis = tl.minimum(tl.load(thr_ptr + b * S + t), T)
+        for n0 in range(0, n_vis, BLOCK_N):
+            at = (b * T + n0 + offs_n) * D
+            dq = _tile(q, do, qv, dov, comp_ptr + at, dcomp_ptr + at, n0 + offs_n < n_vis,
+                       offs_d, offs_dv, lse, delta, dq, scale)
+    tl.store(dq_ptr + o_row + offs_dv[None, :], dq.to(dq_ptr.dtype.element_ty), mask=h_ok)
+
+
+class NoTileFits(RuntimeError):
+    """No tile config of the backward fits the device (shared memory)."""
+
+
+TILES_ENV = "RL_V4_ATTENTION_BWD_TILES"
+"""`BLOCK_N,DV,num_warps,num_stages` pins the backward's tiles (skips the timing below)."""
+CANDIDATES = [(16, 256, 8, 1), (32, 256, 8, 1), (32, 128, 8, 1), (32, 128, 8, 2)]
+"""(BLOCK_N, DV, num_warps, num_stages) timed on the first backward of a (head_dim, heads, dtype)
+on a GPU; the fastest stays. Larger DV: fewer programs recompute s and dO.v; larger BLOCK_N:
+larger MMAs; both cost shared memory (q and dO, (heads x D) each, stay resident)."""
+FALLBACK = [(16, 128, 8, 1), (16, 64, 4, 1)]
+"""Tried in order only if no candidate fits the device's shared memory."""
+TUNED: dict[tuple, tuple[int, int, int, int]] = {}
+"""(head_dim, padded heads, dtype) -> the tiles in use; benchmarks report it."""
+TIMINGS: dict[tuple, dict[tuple, float]] = {}
+"""(head_dim, padded heads, dtype) -> {tiles: ms} of the candidates that fit, when timed."""
+_TOO_BIG = tuple(getattr(triton.runtime.errors, n) for n in ("OutOfResources", "PTXASError")
+                 if hasattr(triton.runtime.errors, n))
+
+
+def v4_attention_bwd(grad_BHSD, q_BHSD, kv_BSD, comp_BTD, topk_BSK, thr_BS, valid_BS, sinks_H,
+                     out_BHSD, lse_BSH, scale, window, tiles=None):
+    """(dq, dkv, dcomp or None, dsinks) of `chunked.v4_attention` (same arguments) given the
+    output's gradient, the forward's output and its logsumexp (`v4_attention_fwd(...,
+    return_lse=True)`). Gradients come back in their inputs' dtypes, summed in fp32."""
+    B, H, S, D = q_BHSD.shape
+    q = q_BHSD if q_BHSD.stride(3) == 1 else q_BHSD.contiguous()
+    out = out_BHSD if out_BHSD.stride(3) == 1 else out_BHSD.contiguous()
+    grad = grad_BHSD if grad_BHSD.stride() == out.stride() else (
+        torch.empty_like(out).copy_(grad_BHSD))
+    dq = torch.empty_like(out, dtype=q.dtype)
+    kv = kv_BSD.contiguous()
+    mode = 1 if topk_BSK is not None else 2 if thr_BS is not None else 0
+    comp = comp_BTD.contiguous() if comp_BTD is not None else kv.new_zeros(B, 1, D)
+    T = comp.shape[1]
+    topk = topk_BSK.contiguous() if mode == 1 else kv.new_zeros(1, dtype=torch.long)
+    thr = thr_BS.to(torch.int32).contiguous() if mode == 2 else kv.new_zeros(1, dtype=torch.int32)
+    valid = valid_BS.to(torch.int8).contiguous() if valid_BS is not None else thr
+    dkv = torch.zeros(B, S, D, dtype=torch.float32, device=kv.device)
+    dcomp = torch.zeros(B, T, D, dtype=torch.float32, device=kv.device)
+    dsink = torch.empty(B, S, H, dtype=torch.float32, device=kv.device)
+    args = (q, out, grad, kv, comp, topk, thr, valid, sinks_H.float().contiguous(),
+            lse_BSH.contiguous(), dq, dkv, dcomp, dsink, S, T, H,
+            topk.shape[-1] if mode == 1 else 0, window, scale, _coprime_stride(window, S),
+            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2))
+    meta = dict(MODE=mode, HAS_VALID=valid_BS is not None, D=D,
+                BLOCK_H=max(16, triton.next_power_of_2(H)))
+
+    def launch(config):
+        block_n, dv, warps, stages = config
+        dkv.zero_()
+        dcomp.zero_()
+        _v4_attn_bwd[(S, B * (D // dv))](*args, DV=dv, BLOCK_N=block_n, num_warps=warps,
+                                         num_stages=stages, **meta)
+
+    launch(tiles or _tiles((D, meta["BLOCK_H"], q.dtype), launch))
+    return (dq, dkv.to(kv_BSD.dtype), None if comp_BTD is None else dcomp.to(comp_BTD.dtype),
+            dsink.sum((0, 1)).to(sinks_H.dtype))
+
+
+def _coprime_stride(window: int, S: int) -> int:
+    stride = max(window, 1)
+    while math.gcd(stride, S) != 1:
+        stride += 1
+    return stride
+
+
+def _tiles(key, launch) -> tuple[int, int, int, int]:
+    # The first backward of a key times each candidate that fits (a few seconds of compiling,
+    # once per process) and keeps the fastest for every later call and layer kind.
+    if key in TUNED:
+        return TUNED[key]
+    D = key[0]
+    pinned = os.environ.get(TILES_ENV)
+    if pinned:
+        TUNED[key] = _parse_tiles(pinned, D)
+        return TUNED[key]
+    fits = [c for c in CANDIDATES + FALLBACK if c[1] <= D and D % c[1] == 0]
+    if os.environ.get("TRITON_INTERPRET") == "1" or not fits:
+        TUNED[key] = (16, min(D, 64), 4, 1)
+        return TUNED[key]
+    from triton.testing import do_bench
+    times: dict[tuple[int, int, int, int], float] = {}
+    for config in fits:
+        if config in FALLBACK and times:
+            break
+        try:
+            times[config] = do_bench(lambda c=config: launch(c), warmup=5, rep=20)
+        except _TOO_BIG:
+            continue
+    if not times:
+        raise NoTileFits(f"no Triton backward tile config fits head_dim {D} in {key[2]}")
+    TUNED[key], TIMINGS[key] = min(times, key=lambda c: times[c]), times
+    return TUNED[key]
+
+
+def _parse_tiles(text: str, head_dim: int) -> tuple[int, int, int, int]:
+    try:
+        block_n, dv, warps, stages = (int(x) for x in text.split(","))
+        ok = block_n >= 16 and 16 <= dv <= head_dim and head_dim % dv == 0 and warps > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{TILES_ENV}={text!r}: expected BLOCK_N,DV,num_warps,num_stages "
+                         f"(BLOCK_N >= 16, DV >= 16 dividing head_dim {head_dim})")
+    return block_n, dv, warps, stages
