@@ -24,6 +24,7 @@ from rl.checkpoint import Checkpointer
 from rl.config import Config
 from rl.console import say
 from rl.data.source import PromptSource
+from rl.dynamic_sampling import Round, SamplingStats, fill_batch, sample_penalties
 from rl.envs.generator import MultiTurnGenerator, start_pool
 from rl.envs.scoring import EnvScorer, episode_metrics
 from rl.evaluate import Evaluator, mean_of_last_evals, read_metrics_jsonl
@@ -74,13 +75,21 @@ class TrainState:
     bad_in_a_row: int = 0
     dropped_samples: int = 0
     """Samples dropped for being older than algorithm.max_staleness (cumulative)."""
+    generated_tokens: int = 0
+    """Response tokens generated for the trained steps, every dynamic-sampling round (cumulative;
+    counted from the resume for a checkpoint written before it existed)."""
 
     def state_dict(self) -> dict:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
         for f in fields(self):
-            setattr(self, f.name, state[f.name])
+            if f.name in state or f.name not in _ADDED_LATER:
+                setattr(self, f.name, state[f.name])
+
+
+_ADDED_LATER = ("generated_tokens",)
+"""TrainState fields that older checkpoints lack (they keep their default)."""
 
 
 @dataclass(slots=True)
@@ -104,6 +113,8 @@ class ScoredBatch:
     """Each sample's staleness (`rl.pipeline.staleness`)."""
     parts: RewardBreakdown
     adv: list[float]
+    sampling: SamplingStats
+    """How the batch was sampled (dynamic sampling's rounds)."""
 
 
 def setup_logging(run_dir: Path) -> None:
@@ -292,12 +303,15 @@ class Run:
             seconds.rollout = time.perf_counter() - t0
             # 2. samples older than max_staleness are dropped (e.g. after lowering it on resume)
             batch = self._drop_stale(step, batch)
-            # 3. the next steps' batches start generating with the current weights
-            pipe.launch_ahead(step, cfg.num_steps)
-            # 4. rewards and advantages
-            t0 = time.perf_counter()
-            scored = self._score(batch)
-            seconds.reward = time.perf_counter() - t0
+            # 3. the next steps' batches start generating with the current weights (after
+            #    dynamic sampling's refill rounds, which need the engines first)
+            refills = cfg.algorithm.dynamic_sampling
+            if not refills:
+                pipe.launch_ahead(step, cfg.num_steps)
+            # 4. rewards, dynamic sampling's refill rounds, advantages
+            scored = self._score(step, batch, seconds)
+            if refills:
+                pipe.launch_ahead(step, cfg.num_steps)
             if stop.requested:
                 raise StepAbandoned("stop requested before training")
         except StepAbandoned as e:
@@ -309,20 +323,42 @@ class Run:
             return None
         return scored
 
-    def _score(self, batch: RolloutBatch) -> ScoredBatch:
-        """Rewards (StepAbandoned when a stop cancels the scoring) and GRPO advantages."""
+    def _score(self, step: int, batch: RolloutBatch, seconds: PhaseSeconds) -> ScoredBatch:
+        """Rewards (StepAbandoned when a stop cancels the scoring or a refill round), with
+        algorithm.dynamic_sampling the refill rounds (`rl.dynamic_sampling`), GRPO advantages."""
+        t0 = time.perf_counter()
+        first = (batch, self._rewards(batch))
+        seconds.reward = time.perf_counter() - t0
+
+        def refill(round_no: int, k: int) -> Round:
+            t0 = time.perf_counter()
+            more = self.pipeline.refill(step, round_no, k)
+            t1 = time.perf_counter()
+            scored = (more, self._rewards(more))
+            seconds.rollout += t1 - t0
+            seconds.reward += time.perf_counter() - t1
+            return scored
+
+        batch, parts, sampling = fill_batch(first, refill, self.cfg.algorithm)
         samples = batch.samples()
         lags = staleness(samples, self.publisher.weight_version)
-        examples = [self.source.train[i] for i, g in zip(batch.indices, batch.groups)
-                    for _ in g]
+        rewards_G = torch.tensor(parts.total, dtype=torch.float32).view(len(batch.groups), -1)
+        adv = grpo_advantages(rewards_G, self.cfg.algorithm.normalize_std).view(-1).tolist()
+        return ScoredBatch(batch, samples, lags, parts, adv, sampling)
+
+    def _rewards(self, batch: RolloutBatch) -> RewardBreakdown:
+        """The batch's rewards, in sample order; the total includes the overlong penalty."""
+        samples = batch.samples()
         if self.episodes is not None:  # the environment rewarded its episodes
             parts = self.env_scorer.score(samples)
         else:
+            examples = [self.source.train[i] for i, g in zip(batch.indices, batch.groups)
+                        for _ in g]
             parts = self.rewards.score([s.text for s in samples], examples,
                                        cancelled=lambda: self.stop.requested)
-        rewards_G = torch.tensor(parts.total, dtype=torch.float32).view(len(batch.groups), -1)
-        adv = grpo_advantages(rewards_G, self.cfg.algorithm.normalize_std).view(-1).tolist()
-        return ScoredBatch(batch, samples, lags, parts, adv)
+        penalties = sample_penalties(samples, self.cfg.response_budget, self.cfg.algorithm)
+        parts.total = [t + p for t, p in zip(parts.total, penalties)]
+        return parts
 
     def _train(self, step: int, scored: ScoredBatch,
                seconds: PhaseSeconds) -> tuple[TrainBatch, TrainStats]:
@@ -377,9 +413,15 @@ class Run:
         """The step's metrics (after `metrics`, the evaluation's) to metrics.jsonl, TensorBoard,
         the trajectory file, the console and `result.history`."""
         busy = self.publisher.busy_seconds()
+        cfg, sampling = self.cfg, scored.sampling
+        self.state.generated_tokens += sampling.tokens
         metrics.update(trained.metrics)
         metrics.update(rollout_metrics(scored.samples, scored.parts, scored.batch.seconds,
-                                       self.cfg.rollout.n_samples, self.rewards.failures))
+                                       cfg.rollout.n_samples, self.rewards.failures,
+                                       tokens=sampling.tokens))
+        metrics["reward/overlong_penalty"] = statistics.fmean(sample_penalties(
+            scored.samples, cfg.response_budget, cfg.algorithm))
+        metrics.update(sampling.metrics(self.state.generated_tokens))
         metrics.update(self._step_metrics(scored, sync_stats, seconds, busy))
         if self.episodes is not None:
             metrics.update(episode_metrics(scored.samples))

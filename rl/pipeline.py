@@ -17,6 +17,10 @@ each of its token spans (`Sample.version_spans`). The interrupt is a token budge
 in time: which tokens came from which weights is a function of the config, so a run and its
 resume compute the same thing.
 
+With `algorithm.dynamic_sampling` the loop asks for refill rounds (`refill`) once it has scored
+the step's batch: more prompts drawn and generated now, with the current weights, before the
+next steps' batches are launched (`rl.dynamic_sampling`).
+
 Batches generated ahead are part of the checkpoint (`state_dict`), with their versions: at a
 checkpoint nothing is in flight (the driver collects before it syncs), and a resumed run trains
 on exactly the samples the uninterrupted run would have.
@@ -52,6 +56,12 @@ def rollout_seed(seed: int, step: int) -> int:
 def resume_seed(seed: int, step: int) -> int:
     """Seed of the call that resumes a step's interrupted samples (its own stream)."""
     return (rollout_seed(seed, step) + 7_919) % (2**31 - 1)
+
+
+def refill_seed(seed: int, step: int, round_no: int) -> int:
+    """Seed of dynamic sampling's refill round `round_no` (>= 1) of a step (`rl.dynamic_sampling`):
+    a stream of its own, apart from every step's rollout and resume seeds."""
+    return (rollout_seed(seed, step) + 15_485_863 * round_no) % (2**31 - 1)
 
 
 @dataclass(slots=True)
@@ -168,10 +178,17 @@ class RolloutPipeline:
 
     def generate_now(self, step: int) -> RolloutBatch:
         """A fresh batch for `step` with the weights the engines hold now (blocks)."""
-        indices = self.source.draw(self.prompts_per_step)
+        return self._generate(step, self.prompts_per_step, rollout_seed(self.seed, step))
+
+    def refill(self, step: int, round_no: int, k: int) -> RolloutBatch:
+        """Dynamic sampling's round `round_no` (>= 1) of `step`: k more prompts, drawn now and
+        generated with the weights the engines hold now (blocks; `rl.dynamic_sampling`)."""
+        return self._generate(step, k, refill_seed(self.seed, step, round_no))
+
+    def _generate(self, step: int, k: int, seed: int) -> RolloutBatch:
+        indices = self.source.draw(k)
         batch = RolloutBatch(step=step, indices=indices)
-        seed, prompts = rollout_seed(self.seed, step), self.source.prompts(indices)
-        rows = self._rows(indices)
+        prompts, rows = self.source.prompts(indices), self._rows(indices)
         gen = self.generator.start(prompts, self.sampling, seed, **rows)
         self._await(gen, self._stopped)
         batch.groups, batch.seconds = self.generator.finish(gen, prompts, self.sampling, seed,

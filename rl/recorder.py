@@ -111,11 +111,14 @@ def _episode_columns(samples) -> dict:
                          for s in samples]}
 
 
-def rollout_metrics(samples, parts, seconds: float, n_samples: int, failures: int) -> dict:
+def rollout_metrics(samples, parts, seconds: float, n_samples: int, failures: int,
+                    tokens: int | None = None) -> dict:
     """A step's reward/ and rollout/ metrics from its samples (`rl.rollout.base.Sample`) and
-    their `RewardBreakdown`; `seconds`: generation wall time; `failures`: reward failures so far."""
+    their `RewardBreakdown`; `seconds`: generation wall time; `failures`: reward failures so far;
+    `tokens`: the tokens generated in `seconds` (default: the samples' response tokens)."""
     total = parts.total
     lengths = [len(s.response_ids) for s in samples]
+    tokens = sum(lengths) if tokens is None else tokens
     groups = [total[i:i + n_samples] for i in range(0, len(total), n_samples)]
     return {"reward/zero_std_frac": sum(max(g) == min(g) for g in groups) / len(groups),
             "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples)
@@ -127,7 +130,7 @@ def rollout_metrics(samples, parts, seconds: float, n_samples: int, failures: in
             "reward/unclosed_thinking_frac": sum(parts.unclosed) / len(samples),
             "rollout/accuracy": sum(c >= 1.0 for c in parts.correctness) / len(samples),
             "rollout/response_length": statistics.fmean(lengths),
-            "rollout/tokens_per_s": sum(lengths) / max(seconds, 1e-9)}
+            "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
 
 
 def format_step(cfg: Config, step: int, m: dict) -> str:
@@ -152,6 +155,10 @@ def format_step(cfg: Config, step: int, m: dict) -> str:
         parts.append(f"stale {m.get('rollout/staleness_mean', 0):.2f} idle trainer "
                      f"{m.get('trainer/idle_ratio', 0):.2f} rollout "
                      f"{m.get('rollout/idle_ratio', 0):.2f}")
+    if cfg.algorithm.dynamic_sampling:
+        parts.append(f"rounds {m.get('sampling/gen_rounds', 0):.0f} dropped "
+                     f"{m.get('sampling/dropped_groups', 0):.0f} padded "
+                     f"{m.get('sampling/padded_groups', 0):.0f}")
     if "eval/pass1" in m:
         parts.append(f"EVAL pass@1 {m['eval/pass1']:.3f}")
     parts.append(f"{m.get('time/step', 0):.1f}s")

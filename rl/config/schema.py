@@ -529,11 +529,28 @@ class AlgorithmConfig:
     """Samples older than max_staleness (e.g. after lowering it on resume): `drop` them from the
     batch (counted in rollout/dropped_samples) or `keep` them (TIS against the stored behaviour
     log-probs re-weights them)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop the prompt groups whose rewards are all equal (zero advantage)
+    and refill the batch with more prompts, generated with the current weights, for at most
+    `max_gen_rounds` generation rounds per step; a batch still short then is filled with dropped
+    groups (counted in sampling/padded_groups). Needs rollout.n_samples >= 2."""
+    max_gen_rounds: int = 4
+    """With dynamic_sampling: generation rounds per step at most, the first included (>= 2). Each
+    refill round draws as many prompts as the batch still lacks."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: a response longer than rollout.max_new_tokens -
+    overlong_buffer tokens loses overlong_penalty_factor x (excess / overlong_buffer) reward,
+    linearly up to the whole factor at max_new_tokens (0 = off; at most rollout.max_new_tokens).
+    Training rewards only, not evaluation."""
+    overlong_penalty_factor: float = 1.0
+    """The overlong penalty at rollout.max_new_tokens [reward units] (> 0)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "prompts_per_step")
+        _positive(self, "prompts_per_step", "overlong_penalty_factor")
         _open_unit(self, "clip_low", "clip_high")
-        _non_negative(self, "kl_coef", "entropy_coef", "max_staleness")
+        _non_negative(self, "kl_coef", "entropy_coef", "max_staleness", "overlong_buffer")
+        _check(self.max_gen_rounds >= 2, "max_gen_rounds", self.max_gen_rounds,
+               "a value >= 2 (the first round and at least one refill round)")
         if self.partial_tokens is not None:
             _positive(self, "partial_tokens")
         if self.tis_cap is not None:
@@ -996,6 +1013,13 @@ class Config:
         pt = self.algorithm.partial_tokens
         _check(pt is None or pt < self.rollout.max_new_tokens, "algorithm.partial_tokens", pt,
                f"null or a value < rollout.max_new_tokens ({self.rollout.max_new_tokens})")
+        budget = ("env.max_response_tokens" if self.env.path else "rollout.max_new_tokens")
+        _check(self.algorithm.overlong_buffer <= self.response_budget,
+               "algorithm.overlong_buffer", self.algorithm.overlong_buffer,
+               f"a value <= {budget} ({self.response_budget})")
+        _check(not self.algorithm.dynamic_sampling or self.rollout.n_samples >= 2,
+               "algorithm.dynamic_sampling", self.algorithm.dynamic_sampling,
+               "false when rollout.n_samples is 1 (a group of one sample has no reward spread)")
         _check(not self.logging.save_routing or self.algorithm.routing_replay == "r3",
                "logging.save_routing", True, "false unless algorithm.routing_replay is r3 (only "
                "r3 asks the engines for routing)")
@@ -1025,3 +1049,10 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+    @property
+    def response_budget(self) -> int:
+        """Tokens a training response may hold: a multi-turn episode's env.max_response_tokens
+        (model and environment tokens), else rollout.max_new_tokens. The overlong penalty
+        counts against it."""
+        return self.env.max_response_tokens if self.env.path else self.rollout.max_new_tokens

@@ -30,12 +30,15 @@ METRIC_TAGS: dict[str, str] = {
     "reward/std": "Std of the rewards over the step's rollout batch.",
     "reward/failures": "Samples whose reward function raised, exited, crashed its worker, returned "
                        "a non-number or timed out, scored 0 (cumulative count).",
-    "reward/zero_std_frac": "Fraction of prompt groups with identical rewards (zero advantage).",
+    "reward/zero_std_frac": "Fraction of the trained prompt groups with identical rewards (zero "
+                            "advantage); with algorithm.dynamic_sampling only padded ones.",
     "reward/format": "Mean format reward of the step's rollout batch, before reward.format_weight "
                      "(1 = the answer in the expected form).",
     "reward/unclosed_thinking_frac": (
         "Fraction of the step's responses without reward.answer_after's marker (DeepSeek-V4 "
         "thinking: reasoning never closed with `</think>`), scored 0; 0 when it is null."),
+    "reward/overlong_penalty": "Mean overlong penalty in the step's rewards (algorithm."
+                               "overlong_buffer; 0 when off) [reward, <= 0].",
     "rollout/accuracy": "Fraction of samples judged correct by the verifier.",
     "rollout/response_length": "Mean response length [tokens].",
     "rollout/truncated_frac": "Fraction of responses cut at max_new_tokens (finish reason 'length').",
@@ -50,6 +53,20 @@ METRIC_TAGS: dict[str, str] = {
                             "the new weights (algorithm.partial_rollouts: resume).",
     "rollout/idle_ratio": "Fraction of the step's wall time the rollout engines did not work "
                           "(generate, score, receive weights); mean over engines.",
+    "sampling/gen_rounds": "Generation rounds behind the step's batch (algorithm.dynamic_sampling "
+                           "refills; 1 without it).",
+    "sampling/kept_groups": "Trained prompt groups whose rewards differ (non-zero advantage).",
+    "sampling/dropped_groups": "Prompt groups generated for the step and not trained on: all "
+                               "rewards equal (algorithm.dynamic_sampling; 0 without it).",
+    "sampling/padded_groups": "Groups with all rewards equal trained on because "
+                              "algorithm.max_gen_rounds left the batch short (0 without dynamic "
+                              "sampling).",
+    "sampling/generated_tokens": "Response tokens generated for the step's batch, every round "
+                                 "and dropped group included [tokens].",
+    "sampling/generated_tokens_total": "sampling/generated_tokens summed over the run so far "
+                                       "(plot eval/pass1 against it) [tokens].",
+    "sampling/reward_mean": "Mean reward over every sample generated for the step, dropped groups "
+                            "included (reward/mean is the trained batch's).",
     "trainer/idle_ratio": "Fraction of the step's wall time the trainer group did not work (train, "
                           "send weights).",
     "train/loss": "Total policy loss (pg + kl_coef*kl - entropy_coef*entropy), mini-batch mean.",

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
                                          ("v4_attention", None), ("routing_replay", None),
                                          ("fp8_gemm", None), ("moe_actor", "deepspeed"),
                                          ("decode_profile", None), ("decode_attention", None),
-                                         ("sampling", None), ("rewards", None)])
+                                         ("sampling", None), ("rewards", None),
+                                         ("dynamic_sampling", "deepspeed")])
 def test_benchmark_smoke_mode(name, needs, tmp_path):
     if needs:
         pytest.importorskip(needs)

@@ -22,6 +22,8 @@ from rl.rewards.computer import RewardComputer
 DRIVER_STATE_KEYS = {"step", "weight_version", "warm_start_accuracy", "last_eval", "skipped_steps",
                      "bad_in_a_row", "restarts_before", "reward_failures_before",
                      "dropped_samples", "eval_pending"}
+ADDED_KEYS = {"generated_tokens"}
+"""Keys added since; an older checkpoint lacks them (`TrainState` keeps their default)."""
 
 
 class _Trainer:
@@ -74,6 +76,7 @@ def test_save_and_load_restore_every_part(tmp_path):
     cfg = load_config(None, [f"output_dir={tmp_path}", "name=run"])
     ckpt, state, publisher, evaluator, rewards, sampler, pending, trainer = _parts(cfg)
     state.step, state.skipped_steps, state.dropped_samples = 3, 1, 4
+    state.generated_tokens = 1234
     publisher.weight_version, publisher.restarts_before = 3, 1
     evaluator.last, evaluator.pending = {"eval/pass1": 0.5}, 3
     rewards.failures = 7
@@ -83,7 +86,7 @@ def test_save_and_load_restore_every_part(tmp_path):
     path = ckpt.save()
     assert trainer.saved == [{"step": 3}] and ckpt.last_saved_step == 3
     driver = torch.load(path / "driver.pt", weights_only=False)
-    assert set(driver["state"]) == DRIVER_STATE_KEYS
+    assert set(driver["state"]) == DRIVER_STATE_KEYS | ADDED_KEYS
     assert driver["state"]["restarts_before"] == 3  # this life's restarts are carried over
     expected_draw = random.random()
 
@@ -91,6 +94,7 @@ def test_save_and_load_restore_every_part(tmp_path):
     ckpt2, state2, publisher2, evaluator2, rewards2, sampler2, pending2, trainer2 = _parts(cfg2)
     assert ckpt2.load_latest(force=False) == path and trainer2.loaded
     assert (state2.step, state2.skipped_steps, state2.dropped_samples) == (3, 1, 4)
+    assert state2.generated_tokens == 1234
     assert (publisher2.weight_version, publisher2.restarts_before) == (3, 3)
     assert evaluator2.last == {"eval/pass1": 0.5} and evaluator2.pending == 3
     assert rewards2.failures == 7 and pending2.state == [{"step": 4}]

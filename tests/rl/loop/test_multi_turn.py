@@ -66,12 +66,21 @@ def test_stop_in_a_multi_turn_step_resumes_to_the_same_run(multi_reference, tmp_
     assert_same_run(cfg.run_dir, ref_cfg.run_dir, (*COMPARED, *ENV_KEYS))
 
 
-def test_multi_turn_with_bounded_staleness(tmp_path, ray_local):
+def test_multi_turn_with_bounded_staleness_and_dynamic_sampling(tmp_path, ray_local):
+    """Episodes generated ahead, and refill rounds of episodes for groups without a reward
+    spread (generated with the current weights: a refilled step's staleness can be 0)."""
     from rl.loop import run
-    cfg = make_cfg(tmp_path, "multi-async", *MULTI, "algorithm.max_staleness=1")
+    cfg = make_cfg(tmp_path, "multi-async", *MULTI, "algorithm.max_staleness=1",
+                   "algorithm.dynamic_sampling=true", "algorithm.max_gen_rounds=2",
+                   "algorithm.overlong_buffer=4")
     result = run(cfg)
     assert result.status == "done" and result.step == 6
     metrics = read_metrics(cfg.run_dir)
     assert [m["rollout/staleness_max"] for m in metrics] == [0, 1, 1, 1, 1, 1]
+    # a second round happens exactly when the first dropped a group
+    assert all((m["sampling/gen_rounds"] == 2) == (m["sampling/dropped_groups"] > 0)
+               for m in metrics)
+    assert all(m["sampling/kept_groups"] + m["sampling/padded_groups"]
+               == cfg.algorithm.prompts_per_step for m in metrics)
     assert all(1 < m["env/turns_mean"] <= 2 for m in metrics)
     assert metrics[-1]["env/failures"] > 0
