@@ -17,28 +17,26 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-import torch
 
 from rl import private_files
 from rl.checkpoint import Checkpointer
 from rl.config import Config
 from rl.console import say
 from rl.data.source import PromptSource
-from rl.dynamic_sampling import Round, SamplingStats, fill_batch, sample_penalties
 from rl.envs.generator import MultiTurnGenerator, start_pool
 from rl.envs.scoring import EnvScorer, episode_metrics
 from rl.evaluate import Evaluator, mean_of_last_evals, read_metrics_jsonl
 from rl.faults import FaultInjector
-from rl.pipeline import RolloutBatch, RolloutPipeline, stale_groups, staleness
+from rl.pipeline import RolloutPipeline
 from rl.publisher import Generator, WeightPublisher
 from rl.recorder import Recorder, RestartInfo, rollout_metrics
 from rl.resume import check_and_save_config, resume_hash, resume_hashes
-from rl.rewards.computer import RewardBreakdown, RewardComputer, protected_paths
-from rl.rollout.base import Sample, SamplingParams
+from rl.rewards.computer import RewardComputer, protected_paths
+from rl.rollout.base import SamplingParams
 from rl.runtime import Runtime
+from rl.scoring import BatchScorer, ScoredBatch
 from rl.signals import StepAbandoned, StopRequest
 from rl.trainer.batch import TrainBatch, TrainStats
-from rl.trainer.losses import grpo_advantages
 
 log = logging.getLogger(__name__)
 
@@ -103,18 +101,8 @@ class PhaseSeconds:
     eval: float = 0.0
     step: float = 0.0
 
-
-@dataclass(slots=True)
-class ScoredBatch:
-    """A step's rollout batch with its rewards and GRPO advantages: what training takes."""
-    batch: RolloutBatch
-    samples: list[Sample]
-    lags: list[int]
-    """Each sample's staleness (`rl.pipeline.staleness`)."""
-    parts: RewardBreakdown
-    adv: list[float]
-    sampling: SamplingStats
-    """How the batch was sampled (dynamic sampling's rounds)."""
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{f.name}": getattr(self, f.name) for f in fields(self)}
 
 
 def setup_logging(run_dir: Path) -> None:
@@ -177,6 +165,8 @@ class Run:
     """Weight version, engine recovery, the log-prob probe."""
     pipeline: RolloutPipeline
     """Each step's rollout batch (generated ahead with max_staleness >= 1)."""
+    scorer: BatchScorer
+    """Rewards, dynamic sampling's refill rounds, advantages."""
     evaluator: Evaluator
     recorder: Recorder
     """metrics.jsonl, TensorBoard, trajectories, console."""
@@ -211,6 +201,9 @@ class Run:
                                         return_routing=cfg.algorithm.routing_replay == "r3"),
             stop,
             checkpoint_seconds=lambda: self.checkpointer.last_seconds)
+        self.scorer = BatchScorer(cfg, self.source, self.rewards,
+                                  None if self.episodes is None else self.env_scorer,
+                                  self.pipeline, stop, lambda: self.publisher.weight_version)
         self.checkpointer = Checkpointer(
             cfg, self.runtime.trainer,
             [self.state, self.publisher, self.evaluator, self.rewards, self.env_scorer],
@@ -302,14 +295,17 @@ class Run:
             batch = pipe.take(step)
             seconds.rollout = time.perf_counter() - t0
             # 2. samples older than max_staleness are dropped (e.g. after lowering it on resume)
-            batch = self._drop_stale(step, batch)
+            batch, dropped = pipe.drop_stale(batch, self.publisher.weight_version)
+            state.dropped_samples += dropped
             # 3. the next steps' batches start generating with the current weights (after
             #    dynamic sampling's refill rounds, which need the engines first)
             refills = cfg.algorithm.dynamic_sampling
             if not refills:
                 pipe.launch_ahead(step, cfg.num_steps)
             # 4. rewards, dynamic sampling's refill rounds, advantages
-            scored = self._score(step, batch, seconds)
+            scored = self.scorer.score(step, batch)
+            seconds.reward, seconds.rollout = (scored.reward_seconds,
+                                               seconds.rollout + scored.refill_seconds)
             if refills:
                 pipe.launch_ahead(step, cfg.num_steps)
             if stop.requested:
@@ -322,43 +318,6 @@ class Run:
             self.env_scorer.failures = before[3]
             return None
         return scored
-
-    def _score(self, step: int, batch: RolloutBatch, seconds: PhaseSeconds) -> ScoredBatch:
-        """Rewards (StepAbandoned when a stop cancels the scoring or a refill round), with
-        algorithm.dynamic_sampling the refill rounds (`rl.dynamic_sampling`), GRPO advantages."""
-        t0 = time.perf_counter()
-        first = (batch, self._rewards(batch))
-        seconds.reward = time.perf_counter() - t0
-
-        def refill(round_no: int, k: int) -> Round:
-            t0 = time.perf_counter()
-            more = self.pipeline.refill(step, round_no, k)
-            t1 = time.perf_counter()
-            scored = (more, self._rewards(more))
-            seconds.rollout += t1 - t0
-            seconds.reward += time.perf_counter() - t1
-            return scored
-
-        batch, parts, sampling = fill_batch(first, refill, self.cfg.algorithm)
-        samples = batch.samples()
-        lags = staleness(samples, self.publisher.weight_version)
-        rewards_G = torch.tensor(parts.total, dtype=torch.float32).view(len(batch.groups), -1)
-        adv = grpo_advantages(rewards_G, self.cfg.algorithm.normalize_std).view(-1).tolist()
-        return ScoredBatch(batch, samples, lags, parts, adv, sampling)
-
-    def _rewards(self, batch: RolloutBatch) -> RewardBreakdown:
-        """The batch's rewards, in sample order; the total includes the overlong penalty."""
-        samples = batch.samples()
-        if self.episodes is not None:  # the environment rewarded its episodes
-            parts = self.env_scorer.score(samples)
-        else:
-            examples = [self.source.train[i] for i, g in zip(batch.indices, batch.groups)
-                        for _ in g]
-            parts = self.rewards.score([s.text for s in samples], examples,
-                                       cancelled=lambda: self.stop.requested)
-        penalties = sample_penalties(samples, self.cfg.response_budget, self.cfg.algorithm)
-        parts.total = [t + p for t, p in zip(parts.total, penalties)]
-        return parts
 
     def _train(self, step: int, scored: ScoredBatch,
                seconds: PhaseSeconds) -> tuple[TrainBatch, TrainStats]:
@@ -419,8 +378,7 @@ class Run:
         metrics.update(rollout_metrics(scored.samples, scored.parts, scored.batch.seconds,
                                        cfg.rollout.n_samples, self.rewards.failures,
                                        tokens=sampling.tokens))
-        metrics["reward/overlong_penalty"] = statistics.fmean(sample_penalties(
-            scored.samples, cfg.response_budget, cfg.algorithm))
+        metrics["reward/overlong_penalty"] = scored.overlong_penalty
         metrics.update(sampling.metrics(self.state.generated_tokens))
         metrics.update(self._step_metrics(scored, sync_stats, seconds, busy))
         if self.episodes is not None:
@@ -454,9 +412,7 @@ class Run:
                 "trainer/idle_ratio": max(0.0, 1.0 - (seconds.train + seconds.sync) / t_total),
                 "faults/rollout_restarts": float(self.publisher.restarts),
                 "faults/skipped_steps": float(state.skipped_steps),
-                "time/rollout": seconds.rollout, "time/reward": seconds.reward,
-                "time/train": seconds.train, "time/sync": seconds.sync, "time/eval": seconds.eval,
-                "time/step": t_total}
+                **seconds.metrics()}
 
     def _checkpoint(self, step: int) -> StepOutcome:
         """Save when due or stopping; abort (with a checkpoint) after too many non-finite steps
@@ -470,21 +426,6 @@ class Run:
         if self.stop.requested or self.checkpointer.due(step):
             self.checkpointer.save()
         return "trained"
-
-    def _drop_stale(self, step: int, batch: RolloutBatch) -> RolloutBatch:
-        """Without the prompt groups older than max_staleness (algorithm.stale_samples: drop);
-        a batch left empty is sampled again, on-policy."""
-        bound = self.cfg.algorithm.max_staleness
-        stale = stale_groups(batch.groups, self.publisher.weight_version, bound)
-        if not any(stale) or self.cfg.algorithm.stale_samples != "drop":
-            return batch
-        self.state.dropped_samples += sum(len(g) for g, old in zip(batch.groups, stale) if old)
-        log.warning("step %d: dropping %d of %d prompt groups older than max_staleness %d",
-                    step, sum(stale), len(stale), bound)
-        keep = [i for i, old in enumerate(stale) if not old]
-        batch.groups = [batch.groups[i] for i in keep]
-        batch.indices = [batch.indices[i] for i in keep]
-        return batch if keep else self.pipeline.generate_now(step)
 
     def close(self, failed: bool = False, status: RunStatus | None = None) -> None:
         """`failed`: the run ends with an error; its workers are killed, not asked to stop.

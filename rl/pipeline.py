@@ -125,6 +125,7 @@ class RolloutPipeline:
         self.seed = cfg.rollout.seed
         self.ahead = cfg.algorithm.max_staleness
         self.mode = cfg.algorithm.partial_rollouts
+        self.stale_samples = cfg.algorithm.stale_samples
         self.max_new = sampling.max_new_tokens
         self.budget = cfg.algorithm.partial_tokens or max(1, self.max_new // 2)
         self.pending: list[RolloutBatch] = []
@@ -164,6 +165,21 @@ class RolloutPipeline:
             self._resume_interrupted(batch)
             return batch
         return self.generate_now(step)
+
+    def drop_stale(self, batch: RolloutBatch, weight_version: int) -> tuple[RolloutBatch, int]:
+        """`batch` without its prompt groups more than max_staleness versions behind
+        `weight_version` (algorithm.stale_samples: drop; e.g. after lowering max_staleness on
+        resume), and how many samples went. A batch left empty is generated again, on-policy."""
+        stale = stale_groups(batch.groups, weight_version, self.ahead)
+        if not any(stale) or self.stale_samples != "drop":
+            return batch, 0
+        dropped = sum(len(g) for g, old in zip(batch.groups, stale) if old)
+        log.warning("step %d: dropping %d of %d prompt groups older than max_staleness %d",
+                    batch.step, sum(stale), len(stale), self.ahead)
+        keep = [i for i, old in enumerate(stale) if not old]
+        batch.groups = [batch.groups[i] for i in keep]
+        batch.indices = [batch.indices[i] for i in keep]
+        return (batch if keep else self.generate_now(batch.step)), dropped
 
     def abandon(self) -> None:
         """Forget the current step after a stop, before it trained: its batch goes back to

@@ -3,7 +3,6 @@ trains on, the refill rounds' prompts and seeds, the bound, the penalty, the con
 engines, < 1 s). End to end with real engines and resume: tests/rl/loop/test_dynamic_sampling.py."""
 import threading
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 
@@ -281,27 +280,23 @@ class _Rewards:
 
 
 def _run(*overrides):
-    """The loop's `Run` with fake engines, rewards and data (10 prompts, answer "a")."""
+    """The loop's `BatchScorer` with fake engines, rewards and data (10 prompts, answer "a")."""
     from rl.data.example import Example
-    from rl.loop import Run
+    from rl.scoring import BatchScorer
     cfg = load_config("configs/local.yaml", ["algorithm.prompts_per_step=4", "rollout.n_samples=2",
                                              *overrides])
     gen = _TextGenerator()
     source = _Source()
     source.train = [Example(prompt=str(i), answer="a") for i in range(10)]
     sampling = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=8, seed=0)
-    r = Run.__new__(Run)
-    r.cfg, r.stop, r.source, r.rewards = cfg, StopRequest(), source, _Rewards()
-    r.episodes = None
-    r.publisher = SimpleNamespace(weight_version=0)
-    r.pipeline = RolloutPipeline(cfg, source, gen, sampling, r.stop)
-    return r, gen
+    stop = StopRequest()
+    pipeline = RolloutPipeline(cfg, source, gen, sampling, stop)
+    return BatchScorer(cfg, source, _Rewards(), None, pipeline, stop, lambda: 0), gen
 
 
 def test_the_loop_trains_only_on_groups_with_a_reward_spread():
-    from rl.loop import PhaseSeconds
     r, gen = _run("algorithm.dynamic_sampling=true", "algorithm.max_gen_rounds=8")
-    scored = r._score(1, r.pipeline.take(1), PhaseSeconds())
+    scored = r.score(1, r.pipeline.take(1))
     order = PromptSampler(10, 0).next_indices(10)
     odd = [i for i in order if i % 2 == 1]
     assert scored.batch.indices == odd[:4]  # the first four odd prompts, in draw order
@@ -312,17 +307,17 @@ def test_the_loop_trains_only_on_groups_with_a_reward_spread():
 
 
 def test_without_dynamic_sampling_the_loop_trains_on_zero_advantage_groups():
-    from rl.loop import PhaseSeconds
     r, gen = _run()
-    scored = r._score(1, r.pipeline.take(1), PhaseSeconds())
+    scored = r.score(1, r.pipeline.take(1))
     assert len(gen.calls) == 1 and scored.batch.indices == PromptSampler(10, 0).next_indices(4)
     assert any(a == 0 for a in scored.adv)
 
 
 def test_the_overlong_penalty_lowers_long_responses_rewards():
-    from rl.loop import PhaseSeconds
     r, _ = _run("algorithm.overlong_buffer=4", "algorithm.overlong_penalty_factor=0.5")
-    scored = r._score(1, r.pipeline.take(1), PhaseSeconds())
+    scored = r.score(1, r.pipeline.take(1))
     for i, g in zip(scored.batch.indices, range(4)):
         pair = scored.parts.total[2 * g:2 * g + 2]
         assert pair == ([1.0, 1.0] if i % 2 == 0 else [1.0, -0.5])  # 8 of 8 tokens: the factor
+    odd = sum(i % 2 for i in scored.batch.indices)
+    assert scored.overlong_penalty == pytest.approx(-0.5 * odd / 8)  # reward/overlong_penalty
