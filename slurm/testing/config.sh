@@ -42,11 +42,18 @@ node_gpus() {
   for kv in $RL_SLURM_GPUS; do if [[ ${kv%%=*} == "$1" ]]; then echo "${kv#*=}"; fi; done
 }
 
-# True when the pid in file $1 names a live process.
+# True when the pid in file $1 names a live process of the daemon the file is named after
+# (RUN/slurmd-n1.pid: slurmd; mysqld.pid: mysqld or mariadbd).
 # A SIGKILLed daemon stays a zombie until its parent (here pid 1) reaps it, and `kill -0` still
-# succeeds on a zombie: it counts as dead (a lost node is started again at once).
+# succeeds on a zombie: it counts as dead (a lost node is started again at once). A daemon killed
+# without removing its pid file leaves a pid the kernel hands out again (pid_max is often 32,768):
+# a live process of another name is not the daemon (start.sh once skipped slurmctld for a test's
+# process that had its old pid, and stop.sh would have killed that process).
 pid_alive() {
   [[ -s $1 ]] || return 1
-  local pid; pid=$(cat "$1")
+  local pid name comm; pid=$(cat "$1")
+  name=$(basename "$1" .pid); name=${name%%-*}
+  comm=$(cat "/proc/$pid/comm" 2>/dev/null) || return 1
+  [[ $comm == "$name" || ($name == mysqld && $comm == mariadbd) ]] || return 1
   kill -0 "$pid" 2>/dev/null && ! grep -q '^State:[[:space:]]*Z' "/proc/$pid/status" 2>/dev/null
 }

@@ -60,3 +60,20 @@ def test_task_prolog_maps_node_positions_to_device_numbers(tmp_path):
     assert prolog(etc, "n2", "0") == ""   # a node without GPUs: left alone
     assert prolog(etc, "n3", "5") == ""   # a position the node does not have: left alone
     assert prolog(etc, "n3", "") == ""
+
+
+def test_a_pid_file_counts_only_for_the_daemon_it_is_named_after(tmp_path):
+    """A daemon killed without removing its pid file leaves a pid the kernel reuses (pid_max is
+    often 32,768): start.sh once skipped slurmctld because a test's process had its old pid."""
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        def alive(name: str) -> bool:
+            (tmp_path / f"{name}.pid").write_text(f"{proc.pid}\n")
+            script = f"source {TESTING}/config.sh; pid_alive {tmp_path}/{name}.pid"
+            return subprocess.run(["bash", "-c", script], env={"PATH": "/usr/bin:/bin"}).returncode == 0
+        assert alive("sleep") and alive("sleep-n1")  # RUN/slurmd-n1.pid names slurmd
+        assert not alive("slurmctld") and not alive("slurmd-n2") and not alive("munged")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not alive("sleep")  # gone
