@@ -105,3 +105,43 @@ def test_failing_environments_fail_their_episodes_only(pool):
     assert [s.env_error is not None for s in group] == [True, True, True, False]
     assert [s.env_reward for s in group] == [0.0, 0.0, 0.0, 1.0]
     assert "TimeoutError" in group[0].env_error and "WorkerDied" in group[1].env_error
+
+
+class RoutingEngine(ScriptedEngine):
+    """ScriptedEngine that also reports routing as r3 asks: one row per context position but the
+    last, each row holding its position in the call's sequence and the call's number."""
+
+    def __call__(self, prompts, sampling, seed):
+        import numpy as np
+        out = super().__call__(prompts, sampling, seed)
+        for p, group in zip(prompts, out):
+            for s in group:
+                rows = len(p) + len(s.response_ids) - 1
+                s.routing = np.stack([np.arange(rows), np.full(rows, len(self.calls))], axis=1
+                                     )[:, None, :].repeat(2, axis=1)  # (rows, 2 layers, top-2)
+        return out
+
+
+@pytest.mark.parametrize("max_tokens", [60, 34], ids=["answered", "cut_by_budget"])
+def test_routing_replay_covers_every_position_of_an_episode(pool, max_tokens):
+    """r3 with multi-turn: the episode's routing is its last engine call's (that call ran the
+    whole context: prompt, earlier turns, observations), cut to the tokens the episode kept, and
+    the trainer's padding takes it with the loss mask."""
+    from rl.rollout.routing import check_routing
+    from rl.trainer.microbatch import pad_batch
+    engine = RoutingEngine(lambda text, j: "[calc: 47*38]" if "[result: " not in text
+                           else "17861786178617861786")
+    prompt = ids("47*38=")
+    (group,) = runner(engine, pool, max_tokens=max_tokens).run(
+        [prompt], [{"prompt": "47*38=", "answer": "1786"}],
+        SamplingParams(n=1, max_new_tokens=32), seed=5)
+    (ep,) = group
+    assert len(ep.turns) == 2 and 0 in ep.loss_mask
+    if max_tokens == 34:  # 14 (the call) + 14 (its result) leave 6 of the 21-token answer
+        assert ep.finish_reason == "length" and len(ep.response_ids) == 34
+    check_routing(ep.routing, len(ep.prompt_ids), len(ep.response_ids), "episode")
+    assert (ep.routing[:, 0, 0] == range(len(ep.routing))).all()  # positions 0.. in order
+    assert (ep.routing[:, 0, 1] == 2).all()  # all from the second (last) call
+    mb = pad_batch([ep.prompt_ids], [ep.response_ids], [ep.logprobs], routing=[ep.routing],
+                   loss_mask=[ep.loss_mask])
+    assert mb.routing_mask.sum() == len(ep.prompt_ids) + len(ep.response_ids) - 1
