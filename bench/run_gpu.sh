@@ -15,6 +15,10 @@
 #                                            in both formats on a real ZeRO-3 checkpoint of two
 #                                            V4-Flash layers, vs a plain copy and zero_to_fp32;
 #                                            EXPORT_ARGS replaces "--experts auto --budget-s 480")
+#                                            packing (one GPU: the trainer's forward + backward,
+#                                            padded vs packed micro-batches, demo and long-tail
+#                                            length mixes, Qwen3-0.6B dims; PACKING_ARGS adds
+#                                            options)
 #                                            lmhead (one GPU: V4-Flash's LM head fwd+bwd, full
 #                                            logits vs the chunked path at 512 / 1,024 / 2,048
 #                                            rows a chunk; LM_HEAD_ARGS replaces those options)
@@ -99,6 +103,7 @@ for s in $sections; do
         tests_v4layer) run tests_v4layer 360 python3 -m pytest -q -p no:cacheprovider -s \
                            tests/gpu/test_v4_layer_gpu.py ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
+        packing) run packing 420 python3 -m bench.packing --out "$OUT" ${PACKING_ARGS:-} ;;
         lmhead) run tests_lm_head 120 python3 -m pytest -q -p no:cacheprovider \
                     tests/gpu/test_lm_head_gpu.py
                 run lm_head 300 python3 -m bench.lm_head --out "$OUT" \

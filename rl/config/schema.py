@@ -424,7 +424,8 @@ class TrainerConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (DeepSpeed `gradient_clipping`); 0 = off."""
     micro_batch_tokens: int = 4096
-    """Token budget of one micro-batch (prompt + response tokens, padded)."""
+    """Token budget of one micro-batch (prompt + response tokens, padded; with pack_sequences
+    the real tokens)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch, each of num_mini_batches optimizer steps."""
     num_mini_batches: int = 1
@@ -456,6 +457,12 @@ class TrainerConfig:
     gradient and fp32 copies (8 B per token and vocabulary entry: 17.8 GiB per GPU for
     DeepSeek-V4-Flash at 18,432 tokens). `false`: the full-logits path. Needs an `nn.Linear`
     head without bias (every supported model)."""
+    pack_sequences: bool = False
+    """Pack each micro-batch's rows end to end into one sequence (per-row positions, a
+    block-diagonal causal mask; `rl.trainer.packing`) instead of padding them to the longest:
+    the same log-probs without computing padding, and `micro_batch_tokens` then counts real
+    tokens. Not for DeepSeek-V4 (its compressed attention would pool across rows) nor with
+    routing replay."""
     lm_head_chunk_rows: int = 1024
     """Rows (tokens) of logits the chunked LM head holds at once, forward and backward (its
     backward holds as many logits, a slice of the vocabulary for every token): about 8 B x rows
@@ -1020,6 +1027,12 @@ class Config:
         _check(not self.algorithm.dynamic_sampling or self.rollout.n_samples >= 2,
                "algorithm.dynamic_sampling", self.algorithm.dynamic_sampling,
                "false when rollout.n_samples is 1 (a group of one sample has no reward spread)")
+        _check(not self.trainer.pack_sequences or self.algorithm.routing_replay == "off",
+               "trainer.pack_sequences", True, "false with algorithm.routing_replay r2 or r3 "
+               "(the replayed routing is laid out per padded row)")
+        _check(not self.trainer.pack_sequences or self.model.preset != "tiny-deepseek-v4",
+               "trainer.pack_sequences", True, "false for DeepSeek-V4 (its compressed attention "
+               "pools blocks of consecutive tokens across rows)")
         _check(not self.logging.save_routing or self.algorithm.routing_replay == "r3",
                "logging.save_routing", True, "false unless algorithm.routing_replay is r3 (only "
                "r3 asks the engines for routing)")

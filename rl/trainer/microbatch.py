@@ -101,15 +101,35 @@ def split_by_budget(indices: list[int], lengths: list[int], budget: int) -> list
     return groups
 
 
-def micro_batches(batch: TrainBatch, mine: list[int], budget: int, world_size: int
-                  ) -> list[Micro]:
-    """This rank's micro-batches, padded with zero-weight copies up to the max over all ranks."""
+def split_by_tokens(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Greedy, order-preserving: a group's real tokens (the sum of its rows' lengths) stay within
+    `budget` (a longer row is a group of its own); the rule for packed micro-batches."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    total = 0
+    for i in indices:
+        if cur and total + lengths[i] > budget:
+            groups.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += lengths[i]
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def micro_batches(batch: TrainBatch, mine: list[int], budget: int, world_size: int,
+                  packed: bool = False) -> list[Micro]:
+    """This rank's micro-batches, padded with zero-weight copies up to the max over all ranks.
+    `packed` (`trainer.pack_sequences`): `budget` counts real tokens (`split_by_tokens`), else
+    rows x the longest row (`split_by_budget`)."""
     n, lengths = len(batch), batch.lengths()
-    counts = [len(split_by_budget(list(range(r, n, world_size)), lengths, budget))
+    split = split_by_tokens if packed else split_by_budget
+    counts = [len(split(list(range(r, n, world_size)), lengths, budget))
               for r in range(world_size)]
     routing, lmask = batch.routing, batch.loss_mask
     out = []
-    for group in split_by_budget(mine, lengths, budget):
+    for group in split(mine, lengths, budget):
         out.append(pad_batch([batch.prompt_ids[i] for i in group],
                              [batch.response_ids[i] for i in group],
                              [batch.rollout_logprobs[i] for i in group], index=group,

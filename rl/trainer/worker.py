@@ -32,6 +32,7 @@ from rl.trainer.batch import TrainBatch, TrainStats
 from rl.trainer.checkpoint_io import RecordingCheckpointEngine, rank_files
 from rl.trainer.microbatch import (Micro, loss_count, micro_batches, micro_policy_loss,
                                    pad_batch)
+from rl.trainer.packing import check_packable, model_inputs, unpack
 from rl.trainer.weights import WeightSender
 
 
@@ -258,6 +259,8 @@ class TrainerWorker:
         from rl.models.loading import load_model
         model = load_model(model_dir, dtype=self.dtype, device=device,  # type: ignore[arg-type]  # lint baseline (issue 39)
                            attention=self.cfg.attention_kernel)
+        if self.cfg.pack_sequences:
+            check_packable(model.config.model_type)
         if self.cfg.chunked_lm_head:  # before DeepSpeed hooks the modules (ZeRO-3 gathers)
             from rl.trainer.lm_head import LogprobHead
             LogprobHead.install(model)
@@ -270,10 +273,18 @@ class TrainerWorker:
         `none`; `metric` (detached: logged only, no graph kept for it); `loss` (differentiable).
         `model` is the DeepSpeed engine (training: its forward advances ZeRO-3's micro-step) or
         an HF model (scoring, the reference)."""
-        kwargs = dict(input_ids=mb.input_ids.to(self.device),
-                      attention_mask=mb.attention_mask.to(self.device), use_cache=False)
-        # position t predicts token t+1: response token j sits at input position P + j.
-        targets = kwargs["input_ids"][:, 1:]
+        kwargs, targets, packed = model_inputs(  # rl.trainer.packing
+            mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
+            self.cfg.pack_sequences)
+        logp, ent = self._logprobs_of(model, kwargs, targets, entropy)
+        if packed is not None:
+            logp = unpack(logp, packed)
+            ent = None if ent is None else unpack(ent, packed)
+        return logp, ent
+
+    def _logprobs_of(self, model, kwargs: dict, targets: torch.Tensor, entropy: str
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_forward_logprobs` of the model's inputs `kwargs` and their next tokens `targets`."""
         if self.cfg.chunked_lm_head:  # rl.trainer.lm_head: no (B, L-1, V) logits
             head = getattr(model, "module", model).get_output_embeddings()
             with head.logprobs_of(targets, entropy=entropy != "none",
@@ -306,7 +317,8 @@ class TrainerWorker:
         t0 = time.perf_counter()
         mine = list(range(self.rank, len(batch), self.world_size))
         advantages = torch.tensor(batch.advantages, dtype=torch.float32)
-        mbs = micro_batches(batch, mine, self.cfg.micro_batch_tokens, self.world_size)
+        mbs = micro_batches(batch, mine, self.cfg.micro_batch_tokens, self.world_size,
+                            packed=self.cfg.pack_sequences)
         frozen = self._frozen_logprobs(mbs)
         old_logprobs = _old_logprobs_by_sample(mbs, frozen)
         acc = _StepSums()
