@@ -1,6 +1,6 @@
 """DAPO's dynamic sampling and overlong penalty (`rl.dynamic_sampling`): which groups a step
 trains on, the refill rounds' prompts and seeds, the bound, the penalty, the config checks (fake
-engines, < 1 s). End to end with real engines and resume: tests/rl/loop/test_dynamic_sampling.py."""
+engines, < 1 s). End to end with real engines and resume: tests/rl/loop/test_dynamic_sampling_loop.py."""
 import threading
 from dataclasses import replace
 
