@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import device_info, parse_args, write_results
+from bench.common import device_info, load_run_config, parse_args, write_results
 
 
 def _extra(parser) -> None:
@@ -78,14 +78,7 @@ def run_mode(cfg_path: str, overrides: list[str], staleness: int, out_dir: Path)
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0], _extra)
     overrides = list(args.overrides) + (SMOKE if args.smoke else [])
-    from rl.config import load_config
-    from launch.checks import check_placement_or_exit
-    from rl.cluster.placement import choose_placement
-    cfg = load_config(args.config, overrides)
-    check_placement_or_exit(cfg)  # exit 2 at once, not after the warm start
-    if choose_placement(cfg).backend == "ray":  # the loop's own choice: Ray when it is installed
-        from job.run import start_local_ray
-        start_local_ray(cfg)
+    load_run_config(args.config, overrides)  # checks, and Ray for the runs below
     root = Path(args.runs_dir) if args.runs_dir else Path(tempfile.mkdtemp(prefix="bench-async-"))
     runs: list[dict] = []
     for s in args.staleness:

@@ -59,6 +59,21 @@ def random_model(model_type: str, fields: dict, device: str, dtype: torch.dtype)
     return model.eval()
 
 
+def load_run_config(path: str, overrides: list[str]):
+    """The run config of a benchmark that runs the RL loop, as `launch.submit` would check it:
+    the placement refused at once (exit 2, not after the warm start), and the local Ray started
+    when the loop will use Ray."""
+    from launch.checks import check_placement_or_exit
+    from rl.cluster.placement import choose_placement
+    from rl.config import load_config
+    cfg = load_config(path, overrides)
+    check_placement_or_exit(cfg)
+    if choose_placement(cfg).backend == "ray":  # the loop's own choice: Ray when it is installed
+        from job.run import start_local_ray
+        start_local_ray(cfg)
+    return cfg
+
+
 def parse_args(description: str, extra=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run (tests use it)")

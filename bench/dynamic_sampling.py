@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import device_info, parse_args, write_results
+from bench.common import device_info, load_run_config, parse_args, write_results
 
 MODES = {"off": [], "on": ["algorithm.dynamic_sampling=true"]}
 
@@ -95,14 +95,7 @@ def main() -> int:
         _write(args, overrides, combined, [f"combined from: {f['date']} on {f['device']}, "
                                        f"`{f['command']}`" for f in files])
         return 0
-    from rl.config import load_config
-    from launch.checks import check_placement_or_exit
-    from rl.cluster.placement import choose_placement
-    cfg = load_config(args.config, overrides)
-    check_placement_or_exit(cfg)  # exit 2 at once, not after the warm start
-    if choose_placement(cfg).backend == "ray":  # the loop's own choice: Ray when it is installed
-        from job.run import start_local_ray
-        start_local_ray(cfg)
+    cfg = load_run_config(args.config, overrides)
     root = Path(args.runs_dir) if args.runs_dir else Path(tempfile.mkdtemp(prefix="bench-dyn-"))
     runs: list[dict] = []
     for seed in args.seeds if args.seeds is not None else [cfg.seed]:

@@ -14,6 +14,7 @@ from rl.pipeline import RolloutBatch, RolloutPipeline, refill_seed, resume_seed,
 from rl.rewards.computer import RewardBreakdown
 from rl.rollout.base import Sample, SamplingParams
 from rl.signals import StepAbandoned, StopRequest
+from tests.helpers.sources import FakeSource
 
 N = 2  # samples per prompt
 
@@ -139,28 +140,11 @@ class _Generator:
         self.abandoned = True
 
 
-class _Source:
-    def __init__(self):
-        self.sampler, self.tokenizer = PromptSampler(10, 0), None
-
-    def draw(self, k):
-        return self.sampler.next_indices(k)
-
-    def prompts(self, indices):
-        return [[1, i] for i in indices]
-
-    def state_dict(self):
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state):
-        self.sampler.load_state_dict(state)
-
-
 def _pipeline(generator, stop=None):
     cfg = load_config("configs/local.yaml", ["algorithm.prompts_per_step=4", "rollout.n_samples=2",
                                              "algorithm.dynamic_sampling=true", "seed=0"])
     sampling = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=8, seed=0)
-    return cfg, RolloutPipeline(cfg, _Source(), generator, sampling, stop or StopRequest())
+    return cfg, RolloutPipeline(cfg, FakeSource(), generator, sampling, stop or StopRequest())
 
 
 def test_a_refill_round_draws_the_next_prompts_with_its_own_seed():
@@ -286,7 +270,7 @@ def _run(*overrides):
     cfg = load_config("configs/local.yaml", ["algorithm.prompts_per_step=4", "rollout.n_samples=2",
                                              *overrides])
     gen = _TextGenerator()
-    source = _Source()
+    source = FakeSource()
     source.train = [Example(prompt=str(i), answer="a") for i in range(10)]
     sampling = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=8, seed=0)
     stop = StopRequest()

@@ -8,11 +8,11 @@ import pytest
 
 from rl.config import RewardConfig, load_config
 from rl.data.example import Example
-from rl.data.sampler import PromptSampler
 from rl.pipeline import RolloutBatch, RolloutPipeline
 from rl.rewards.computer import RewardComputer
 from rl.rollout.base import Sample, SamplingParams
 from rl.signals import StepAbandoned, StopRequest
+from tests.helpers.sources import FakeSource
 
 
 class _Generation:
@@ -47,25 +47,6 @@ def _sample(finish: str, n_tokens: int) -> Sample:
                   logprobs=[-0.5] * n_tokens, finish_reason=finish, weight_version=0)
 
 
-class _Source:
-    """The pipeline's prompt source: 10 prompts, the real seeded sampler."""
-
-    def __init__(self):
-        self.sampler, self.tokenizer = PromptSampler(10, 0), None
-
-    def draw(self, k):
-        return self.sampler.next_indices(k)
-
-    def prompts(self, indices):
-        return [[1, i] for i in indices]
-
-    def state_dict(self):
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state):
-        self.sampler.load_state_dict(state)
-
-
 class _Generator:
     def __init__(self, runtime):
         self.runtime = runtime
@@ -83,7 +64,7 @@ class _Generator:
 def _pipeline(runtime, *overrides, grace: float = 1.0):
     cfg = load_config("configs/local.yaml", ["algorithm.prompts_per_step=2", "rollout.n_samples=2",
                                              f"checkpoint.grace_period_s={grace}", *overrides])
-    source = _Source()
+    source = FakeSource()
     ctx = SimpleNamespace(runtime=runtime, sampler=source.sampler)
     sampling = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=8, seed=0)
     stop = StopRequest()
