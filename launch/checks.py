@@ -293,6 +293,20 @@ def check_placement_or_exit(cfg: Config) -> None:
         fail(f"config error: {e}")
 
 
+def check_packing_or_exit(cfg: Config) -> None:
+    """Exit 2 when `trainer.pack_sequences` is on for a model whose forward cannot be packed
+    (DeepSeek-V4; read from config.json alone, `rl.plan`): its ranks would fail at start."""
+    if not cfg.trainer.pack_sequences:
+        return
+    from rl.plan import source
+    from rl.trainer.packing import check_packable
+    try:
+        config, where, _ = source.model_config(cfg)
+        check_packable(str(config.get("model_type", "")))
+    except ValueError as e:  # ConfigError included
+        fail(f"config error: {e}")
+
+
 def check_expert_parallel_or_exit(cfg: Config) -> None:
     """Exit 2 when `trainer.expert_parallel_size` does not divide the model's routed experts
     (read from config.json alone, `rl.plan`); the ranks would fail at start otherwise."""

@@ -29,7 +29,8 @@ import time
 from job.output import stream_errors, stream_output
 from job.rundir import RunDirBusy, RunDirLock, archive_run_dir
 from launch.checks import (Preflight, check_data_or_exit, check_engine_or_exit,
-                           check_expert_parallel_or_exit, check_resume_or_exit,
+                           check_expert_parallel_or_exit, check_packing_or_exit,
+                           check_resume_or_exit,
                            check_rollout_checkpoint_or_exit, check_slurm_params_or_exit,
                            check_placement_or_exit, check_trackers_or_exit, missing_data_files)
 from launch.common import EXIT_USAGE, config_parser, fail, load_or_exit, split_config_args
@@ -197,8 +198,11 @@ def run_checks(cfg, args) -> Preflight:
     trackers = check_trackers_or_exit(cfg)
     check_slurm_params_or_exit(cfg)
     check_expert_parallel_or_exit(cfg)
+    check_packing_or_exit(cfg)
     check_placement_or_exit(cfg)
     done.ran += ["Slurm options", "expert parallelism", "placement and sync backend"]
+    if cfg.trainer.pack_sequences:
+        done.ran.append("sequence packing")
     if trackers:
         done.ran.append(f"tracker packages ({trackers})")
     if args.no_resume:
