@@ -81,7 +81,9 @@ def measure(model, batch, budget: int, packed: bool, device: str, warmup: int, r
     from rl.trainer.microbatch import micro_batches
     mbs = micro_batches(batch, list(range(len(batch))), budget, 1, packed=packed)
     real = sum(int(mb.attention_mask.sum()) for mb in mbs)
-    computed = real if packed else sum(mb.input_ids.numel() for mb in mbs)
+    from rl.trainer.packing import pack
+    computed = sum((pack(mb.input_ids, mb.attention_mask).input_ids if packed else mb.input_ids)
+                   .numel() for mb in mbs)  # packed: the bins, padding at their ends included
     for _ in range(warmup):
         model.zero_grad(set_to_none=True)
         _step(model, mbs, packed, device)

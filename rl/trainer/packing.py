@@ -1,15 +1,18 @@
 """Sequence packing for the trainer's forward (`trainer.pack_sequences`).
 
 A padded micro-batch (`rl.trainer.microbatch.Micro`, rows right-padded to the longest) spends
-compute on padding: RL responses vary widely in length. Packed, the rows' real tokens are laid
-end to end in one sequence of `sum(lengths)` tokens, each row with its own position ids 0..n-1
-and a block-diagonal causal attention mask (a token sees the earlier tokens of its own row only),
-so the model computes exactly what it computes per row. The log-probs (and entropies) come back
-in the padded `(B, L-1)` layout the losses take (zeros where there is no next token of the row),
-so everything after the forward is the padded path's.
+compute on padding: RL responses vary widely in length. Packed, the rows are laid end to end in
+bins as long as the micro-batch's longest row (first fit, in order), each row with its own
+position ids 0..n-1 and a block-diagonal causal mask (a token sees the earlier tokens of its own
+row only), so the model computes exactly what it computes per row. Bins rather than one long
+sequence: the attention over a bin of C tokens costs C^2 whether its rows fill it or not (the
+mask is dense: transformers' SDPA / eager attention compute every masked score), so one sequence
+of all T tokens would cost T^2 where the padded rows cost B x L^2 (measured on CPU: 0.58x the
+padded path's tokens/s, `bench.packing`). The log-probs (and entropies) come back in the padded
+`(B, L-1)` layout the losses take (zeros where there is no next token of the row), so everything
+after the forward is the padded path's.
 
 The micro-batch budget then counts real tokens (`split_by_tokens`) instead of rows x longest.
-The mask is a dense `(1, 1, T, T)` boolean passed to transformers' SDPA / eager attention.
 DeepSeek-V4 is not packed: its compressed attention pools blocks of consecutive tokens, which
 would cross row boundaries (`check_packable`).
 """
@@ -23,48 +26,85 @@ import torch
 @dataclass(slots=True)
 class Packed:
     input_ids: torch.Tensor
-    """(1, T) int64: the rows' real tokens, end to end."""
+    """(N, C) int64: the bins, rows end to end, right-padded with 0."""
     position_ids: torch.Tensor
-    """(1, T) int64: each row's positions 0..n-1."""
+    """(N, C) int64: each row's positions 0..n-1 (0 on padding)."""
     attention_mask: torch.Tensor
-    """(1, 1, T, T) bool: True where query t may attend key s (same row, s <= t)."""
+    """(N, 1, C, C) bool: True where query t may attend key s (same row, s <= t; a padding
+    position attends itself only, so that no query row is all masked)."""
     targets: torch.Tensor
-    """(1, T-1) int64: the next token of each packed position (across a row's end: the next
-    row's first token, whose log-prob is never read)."""
+    """(N, C-1) int64: the next token of each position (across a row's end: whatever follows,
+    never read)."""
     rows: torch.Tensor
-    """(N,) int64: the padded row of each next-token prediction inside a row."""
+    """(M,) int64: the padded row of each next-token prediction inside a row."""
     cols: torch.Tensor
-    """(N,) int64: its padded position (0..n-2)."""
+    """(M,) int64: its padded position (0..n-2)."""
+    bins: torch.Tensor
+    """(M,) int64: its bin."""
     at: torch.Tensor
-    """(N,) int64: its packed position."""
+    """(M,) int64: its position in the bin."""
     shape: tuple[int, int]
     """(B, L-1): the padded layout of the log-probs."""
+
+
+def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Row indices per bin: each row, in order, into the first bin it fits (`capacity` tokens)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i, n in enumerate(lengths):
+        b = next((j for j, r in enumerate(room) if r >= n), None)
+        if b is None:
+            bins.append([])
+            room.append(capacity)
+            b = len(bins) - 1
+        bins[b].append(i)
+        room[b] -= n
+    return bins
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
     """The packed form of right-padded `input_ids` (B, L) with `attention_mask` (B, L)."""
     B, L = input_ids.shape
-    lengths = attention_mask.sum(1).long()
     if bool((attention_mask[:, :-1] < attention_mask[:, 1:]).any()):
         raise ValueError("pack: rows must be right-padded")
-    ids = input_ids[attention_mask.bool()]  # row-major: the rows end to end
-    T = ids.numel()
-    starts = torch.cumsum(lengths, 0) - lengths
-    seg = torch.repeat_interleave(torch.arange(B, device=ids.device), lengths)
-    pos = torch.arange(T, device=ids.device) - starts[seg]
-    mask = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-    mask &= seg[:, None] == seg[None, :]
-    inner = pos[:-1] < (lengths[seg[:-1]] - 1)  # packed positions whose next token is its row's
-    at = torch.nonzero(inner).squeeze(1)
-    return Packed(input_ids=ids[None], position_ids=pos[None], attention_mask=mask[None, None],
-                  targets=ids[1:][None], rows=seg[at], cols=pos[at], at=at, shape=(B, L - 1))
+    lengths = attention_mask.sum(1).tolist()
+    C = max(lengths)
+    bins = first_fit(lengths, C)
+    ids = torch.zeros(len(bins), C, dtype=input_ids.dtype)
+    pos = torch.zeros(len(bins), C, dtype=torch.long)
+    seg = torch.full((len(bins), C), -1, dtype=torch.long)
+    rows: list[int] = []
+    cols: list[int] = []
+    where: list[int] = []
+    at: list[int] = []
+    for b, members in enumerate(bins):
+        o = 0
+        for i in members:
+            n = lengths[i]
+            ids[b, o:o + n] = input_ids[i, :n].cpu()
+            pos[b, o:o + n] = torch.arange(n)
+            seg[b, o:o + n] = i
+            rows += [i] * (n - 1)
+            cols += range(n - 1)
+            where += [b] * (n - 1)
+            at += range(o, o + n - 1)
+            o += n
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
+    mask = same & torch.ones(C, C, dtype=torch.bool).tril()
+    mask |= torch.eye(C, dtype=torch.bool) & (seg < 0)[:, :, None]
+    dev = input_ids.device
+    def t(v: list[int]) -> torch.Tensor:
+        return torch.tensor(v, dtype=torch.long, device=dev)
+    return Packed(input_ids=ids.to(dev), position_ids=pos.to(dev),
+                  attention_mask=mask[:, None].to(dev), targets=ids[:, 1:].to(dev),
+                  rows=t(rows), cols=t(cols), bins=t(where), at=t(at), shape=(B, L - 1))
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
-    """(1, T-1) per-position values of the packed sequence -> (B, L-1), zeros where a row has
-    no next token. Differentiable."""
+    """(N, C-1) per-position values of the bins -> (B, L-1), zeros where a row has no next
+    token. Differentiable."""
     out = values.new_zeros(packed.shape)
-    return out.index_put((packed.rows, packed.cols), values[0, packed.at])
+    return out.index_put((packed.rows, packed.cols), values[packed.bins, packed.at])
 
 
 def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool

@@ -1,6 +1,6 @@
 """`python -m bench.packing --smoke`: padded vs packed micro-batches on CPU at tiny dims; the
 result files carry the fields the GPU table reports, the two paths' log-probs agree, packing
-computes no padding, and each mix's line is written."""
+counts what each path computes, and each mix's line is written."""
 import json
 import os
 import subprocess
@@ -27,8 +27,9 @@ def test_packing_smoke(tmp_path):
     for mix in ("demo", "long_tail"):
         at = {r["path"]: r for r in rows if r["mix"] == mix}
         padded, packed = at["padded"], at["packed"]
-        assert packed["real_tokens"] == padded["real_tokens"] == packed["computed_tokens"]
+        assert packed["real_tokens"] == padded["real_tokens"]
         assert padded["computed_tokens"] >= padded["real_tokens"]
+        assert packed["computed_tokens"] >= packed["real_tokens"]  # padding at the bins' ends
         assert packed["logp_max_diff"] < 1e-4  # fp32: the same log-probs
         assert packed["speedup"] == pytest.approx(packed["tokens_per_s"] / padded["tokens_per_s"])
         assert at["limit"]["seconds"] == pytest.approx(

@@ -14,24 +14,34 @@ from rl.trainer.microbatch import micro_batches, pad_batch, split_by_tokens
 from rl.trainer.packing import check_packable, pack, unpack
 
 
-def test_pack_lays_rows_end_to_end_with_their_own_positions_and_mask():
-    mb = pad_batch([[1, 5], [1]], [[6, 7, 8], [9]])  # lengths 5 and 2, padded to 5
+def test_pack_lays_rows_end_to_end_in_bins_of_the_longest_row():
+    # lengths 5, 2, 3: row 0 fills a bin of 5; rows 1 and 2 share the second (first fit)
+    mb = pad_batch([[1, 5], [1], [1, 4]], [[6, 7, 8], [9], [3]])
     p = pack(mb.input_ids, mb.attention_mask)
-    assert p.input_ids.tolist() == [[1, 5, 6, 7, 8, 1, 9]]
-    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1]]
-    assert p.targets.tolist() == [[5, 6, 7, 8, 1, 9]]
-    mask = p.attention_mask[0, 0]
-    assert mask[4].tolist() == [True] * 5 + [False] * 2  # row 0's last token: its own row
-    assert mask[6].tolist() == [False] * 5 + [True] * 2  # row 1 never sees row 0
-    assert not mask[0, 1]  # causal
-    # predictions inside a row only: 4 for row 0, 1 for row 1 (position 4 -> row 1 is not one)
-    assert list(zip(p.rows.tolist(), p.cols.tolist(), p.at.tolist())) == [
-        (0, 0, 0), (0, 1, 1), (0, 2, 2), (0, 3, 3), (1, 0, 5)]
-    values = torch.arange(6, dtype=torch.float32)[None].requires_grad_()
+    assert p.input_ids.tolist() == [[1, 5, 6, 7, 8], [1, 9, 1, 4, 3]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
+    assert p.targets.tolist() == [[5, 6, 7, 8], [9, 1, 4, 3]]
+    mask = p.attention_mask[1, 0]
+    assert mask[1].tolist() == [True, True, False, False, False]  # row 1's last token: its own
+    assert mask[4].tolist() == [False, False, True, True, True]  # row 2 never sees row 1
+    assert not p.attention_mask[0, 0, 0, 1]  # causal
+    # predictions inside a row only: (row, col) <- (bin, position)
+    assert list(zip(p.rows.tolist(), p.cols.tolist(), p.bins.tolist(), p.at.tolist())) == [
+        (0, 0, 0, 0), (0, 1, 0, 1), (0, 2, 0, 2), (0, 3, 0, 3),
+        (1, 0, 1, 0), (2, 0, 1, 2), (2, 1, 1, 3)]
+    values = torch.arange(8, dtype=torch.float32).view(2, 4).requires_grad_()
     out = unpack(values, p)
-    assert out.tolist() == [[0, 1, 2, 3], [5, 0, 0, 0]]
+    assert out.tolist() == [[0, 1, 2, 3], [4, 0, 0, 0], [6, 7, 0, 0]]
     out.sum().backward()
-    assert values.grad.tolist() == [[1, 1, 1, 1, 0, 1]]  # differentiable; position 4 unused
+    assert values.grad.tolist() == [[1, 1, 1, 1], [1, 0, 1, 1]]  # position 1 -> row 2: unused
+
+
+def test_a_bin_with_padding_masks_no_query_row_entirely():
+    mb = pad_batch([[1, 5], [1]], [[6, 7, 8], [9]])  # lengths 5 and 2: the second bin pads 3
+    p = pack(mb.input_ids, mb.attention_mask)
+    assert p.input_ids.tolist() == [[1, 5, 6, 7, 8], [1, 9, 0, 0, 0]]
+    assert bool(p.attention_mask.any(-1).all())  # SDPA returns NaN for an all-masked query
+    assert p.attention_mask[1, 0, 3].tolist() == [False, False, False, True, False]
 
 
 def test_packed_budget_counts_real_tokens():
