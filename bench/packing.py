@@ -63,8 +63,7 @@ def _step(model, mbs, packed: bool, device: str) -> tuple[float, list[torch.Tens
     from rl.trainer.packing import model_inputs, unpack
     total, rows = 0.0, []
     for mb in mbs:
-        kwargs, targets, layout = model_inputs(mb.input_ids.to(device),
-                                               mb.attention_mask.to(device), packed)
+        kwargs, targets, layout = model_inputs(mb.input_ids, mb.attention_mask, packed, device)
         logp = losses.token_logprobs(model(**kwargs).logits[:, :-1], targets)
         if layout is not None:
             logp = unpack(logp, layout)

@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-
 from rl import private_files
 from rl.checkpoint import Checkpointer
 from rl.config import Config

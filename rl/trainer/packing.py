@@ -62,8 +62,12 @@ def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
-    """The packed form of right-padded `input_ids` (B, L) with `attention_mask` (B, L)."""
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+         device: torch.device | str | None = None) -> Packed:
+    """The packed form of right-padded `input_ids` (B, L) with `attention_mask` (B, L), built
+    on the host (the micro-batches live there) and put on `device` (default: the inputs')."""
+    dev = input_ids.device if device is None else device
+    input_ids, attention_mask = input_ids.cpu(), attention_mask.cpu()
     B, L = input_ids.shape
     if bool((attention_mask[:, :-1] < attention_mask[:, 1:]).any()):
         raise ValueError("pack: rows must be right-padded")
@@ -81,7 +85,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
         o = 0
         for i in members:
             n = lengths[i]
-            ids[b, o:o + n] = input_ids[i, :n].cpu()
+            ids[b, o:o + n] = input_ids[i, :n]
             pos[b, o:o + n] = torch.arange(n)
             seg[b, o:o + n] = i
             rows += [i] * (n - 1)
@@ -92,7 +96,6 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
     same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
     mask = same & torch.ones(C, C, dtype=torch.bool).tril()
     mask |= torch.eye(C, dtype=torch.bool) & (seg < 0)[:, :, None]
-    dev = input_ids.device
     def t(v: list[int]) -> torch.Tensor:
         return torch.tensor(v, dtype=torch.long, device=dev)
     return Packed(input_ids=ids.to(dev), position_ids=pos.to(dev),
@@ -107,15 +110,16 @@ def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
     return out.index_put((packed.rows, packed.cols), values[packed.bins, packed.at])
 
 
-def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool
-                 ) -> tuple[dict, torch.Tensor, Packed | None]:
+def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool,
+                 device: torch.device | str) -> tuple[dict, torch.Tensor, Packed | None]:
     """(the model's keyword arguments, the next token of each position, the `Packed` layout or
-    None) for right-padded rows: packed (`pack`) or padded as they are. Position t predicts
-    token t+1: response token j sits at input position P + j."""
+    None), on `device`, for right-padded host rows: packed (`pack`) or padded as they are.
+    Position t predicts token t+1: response token j sits at input position P + j."""
     if not packed:
-        return (dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False),
-                input_ids[:, 1:], None)
-    p = pack(input_ids, attention_mask)
+        input_ids = input_ids.to(device)
+        return (dict(input_ids=input_ids, attention_mask=attention_mask.to(device),
+                     use_cache=False), input_ids[:, 1:], None)
+    p = pack(input_ids, attention_mask, device)
     return (dict(input_ids=p.input_ids, position_ids=p.position_ids,
                  attention_mask=p.attention_mask, use_cache=False), p.targets, p)
 

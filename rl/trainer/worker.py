@@ -274,8 +274,7 @@ class TrainerWorker:
         `model` is the DeepSpeed engine (training: its forward advances ZeRO-3's micro-step) or
         an HF model (scoring, the reference)."""
         kwargs, targets, packed = model_inputs(  # rl.trainer.packing
-            mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
-            self.cfg.pack_sequences)
+            mb.input_ids, mb.attention_mask, self.cfg.pack_sequences, self.device)
         logp, ent = self._logprobs_of(model, kwargs, targets, entropy)
         if packed is not None:
             logp = unpack(logp, packed)
