@@ -81,8 +81,7 @@ class RolloutBatch:
 
     def to_state(self) -> dict:
         return {"step": self.step, "indices": list(self.indices), "seconds": self.seconds,
-                "ahead": self.ahead,
-                "groups": [[dataclasses.asdict(s) for s in g] for g in self.groups]}
+                "ahead": self.ahead, "groups": [[_sample_state(s) for s in g] for g in self.groups]}
 
     @classmethod
     def from_state(cls, d: dict) -> RolloutBatch:
@@ -90,6 +89,15 @@ class RolloutBatch:
                    for s in g] for g in d["groups"]]
         return cls(step=d["step"], indices=list(d["indices"]), groups=groups,
                    seconds=d["seconds"], ahead=d["ahead"])
+
+
+def _sample_state(s: Sample) -> dict:
+    """A sample as checkpoint state: a paused episode's environment instance stays out (a
+    checkpoint never holds a pickle; the resumed run rebuilds it from the messages)."""
+    d = dataclasses.asdict(s)
+    if d["paused"] is not None:
+        d["paused"]["env_state"] = None
+    return d
 
 
 def staleness(samples: list[Sample], trainer_version: int) -> list[int]:
@@ -127,7 +135,10 @@ class RolloutPipeline:
         self.mode = cfg.algorithm.partial_rollouts
         self.stale_samples = cfg.algorithm.stale_samples
         self.max_new = sampling.max_new_tokens
-        self.budget = cfg.algorithm.partial_tokens or max(1, self.max_new // 2)
+        self.budget = cfg.algorithm.partial_tokens or max(1, cfg.response_budget // 2)
+        """Interrupt budget of `resume`: new tokens of a generation, response tokens of an
+        episode (`rl.envs.episodes`)."""
+        self.multi_turn = bool(getattr(generator, "multi_turn", False))
         self.pending: list[RolloutBatch] = []
         self._in_flight: list[tuple[RolloutBatch, object, dict]] = []
         """(batch, generation, sampler state before its prompts were drawn)."""
@@ -146,9 +157,15 @@ class RolloutPipeline:
     @property
     def ahead_sampling(self) -> SamplingParams:
         """Sampling of the batches generated ahead: cut at the interrupt budget in `resume` mode."""
-        if self.ahead > 0 and self.mode == "resume" and self.budget < self.max_new:
+        if self._interrupts and not self.multi_turn:
             return dataclasses.replace(self.sampling, max_new_tokens=self.budget)
         return self.sampling
+
+    @property
+    def _interrupts(self) -> bool:
+        """Generations launched ahead stop at the interrupt budget (`resume`)."""
+        return self.ahead > 0 and self.mode == "resume" and (
+            self.multi_turn or self.budget < self.max_new)
 
     # ---- the loop's verbs --------------------------------------------------------------------
     def take(self, step: int) -> RolloutBatch:
@@ -222,7 +239,7 @@ class RolloutPipeline:
             drawn_from = self.source.state_dict()
             indices = self.source.draw(self.prompts_per_step)
             gen = self.generator.start(self.source.prompts(indices), sampling,
-                                       rollout_seed(self.seed, t), **self._rows(indices))
+                                       rollout_seed(self.seed, t), **self._rows(indices, True))
             self._in_flight.append((RolloutBatch(step=t, indices=indices, ahead=True), gen,
                                     drawn_from))
 
@@ -244,18 +261,20 @@ class RolloutPipeline:
                 break
             batch.groups, batch.seconds = self.generator.finish(
                 gen, self.source.prompts(batch.indices), sampling,
-                rollout_seed(self.seed, batch.step), **self._rows(batch.indices))
+                rollout_seed(self.seed, batch.step), **self._rows(batch.indices, True))
             self.pending.append(batch)
         self._in_flight.clear()
         self.pending.sort(key=lambda b: b.step)
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _rows(self, indices: list[int]) -> dict:
-        """The keyword a multi-turn generator (`rl.envs.generator`) takes: the prompts' examples,
-        which start their episodes; nothing for a single-turn one."""
-        if not getattr(self.generator, "multi_turn", False):
+    def _rows(self, indices: list[int], ahead: bool = False) -> dict:
+        """The keywords a multi-turn generator (`rl.envs.generator`) takes: the prompts'
+        examples, which start their episodes, and for a batch launched ahead the interrupt
+        budget of `resume`; nothing for a single-turn one."""
+        if not self.multi_turn:
             return {}
-        return {"examples": self.source.examples(indices)}
+        pause = {"pause_at": self.budget} if ahead and self._interrupts else {}
+        return {"examples": self.source.examples(indices), **pause}
 
     def _stopped(self) -> bool:
         return self.stop.requested
@@ -275,6 +294,9 @@ class RolloutPipeline:
 
     def _resume_interrupted(self, batch: RolloutBatch) -> None:
         """Continue, with the current weights, every sample the interrupt budget cut short."""
+        if self.multi_turn:
+            self._resume_episodes(batch)
+            return
         cut = [(gi, si) for gi, g in enumerate(batch.groups) for si, s in enumerate(g)
                if s.finish_reason == "length" and len(s.response_ids) < self.max_new]
         if not cut:
@@ -302,3 +324,19 @@ class RolloutPipeline:
                 weight_version=new.weight_version,
                 version_spans=old.spans() + [(len(old.response_ids), new.weight_version)],
                 routing=new.routing)  # the resuming call re-ran the whole prefix
+
+    def _resume_episodes(self, batch: RolloutBatch) -> None:
+        """`_resume_interrupted` for multi-turn episodes: continue every paused one."""
+        paused = [(gi, si) for gi, g in enumerate(batch.groups) for si, s in enumerate(g)
+                  if s.paused is not None]
+        if not paused:
+            return
+        seed = resume_seed(self.seed, batch.step)
+        gen = self.generator.resume([batch.groups[gi][si] for gi, si in paused],
+                                    self.source.examples([batch.indices[gi] for gi, _ in paused]),
+                                    self.sampling, seed)
+        self._await(gen, self._stopped)
+        out, seconds = self.generator.finish(gen, None, self.sampling, seed)
+        batch.seconds += seconds
+        for (gi, si), s in zip(paused, out):
+            batch.groups[gi][si] = s

@@ -525,8 +525,9 @@ class AlgorithmConfig:
     logged). The interrupt point is a token budget, not a wall-clock moment, so runs stay
     deterministic and resume exactly."""
     partial_tokens: int | None = None
-    """Tokens generated with the old weights before a `resume` interrupt; null = half of
-    rollout.max_new_tokens."""
+    """Tokens generated with the old weights before a `resume` interrupt (of a multi-turn
+    episode: response tokens, model and environment ones); null = half of
+    rollout.max_new_tokens (env.max_response_tokens with env.path)."""
     routing_replay: Literal["off", "r2", "r3", False] = "off"
     """MoE routing replay in the trainer. `r3`: the engines return the experts they chose for
     every token and the trainer's old- and new-policy passes use them (gate weights recomputed
@@ -1018,9 +1019,9 @@ class Config:
         _check(bool(self.name) and "/" not in self.name, "name", self.name,
                "a non-empty name without '/'")
         pt = self.algorithm.partial_tokens
-        _check(pt is None or pt < self.rollout.max_new_tokens, "algorithm.partial_tokens", pt,
-               f"null or a value < rollout.max_new_tokens ({self.rollout.max_new_tokens})")
         budget = ("env.max_response_tokens" if self.env.path else "rollout.max_new_tokens")
+        _check(pt is None or pt < self.response_budget, "algorithm.partial_tokens", pt,
+               f"null or a value < {budget} ({self.response_budget})")
         _check(self.algorithm.overlong_buffer <= self.response_budget,
                "algorithm.overlong_buffer", self.algorithm.overlong_buffer,
                f"a value <= {budget} ({self.response_budget})")
@@ -1048,10 +1049,6 @@ class Config:
         _check(env.path is None or env.max_response_tokens < self.rollout.max_model_len,
                "env.max_response_tokens", env.max_response_tokens,
                f"a value < rollout.max_model_len ({self.rollout.max_model_len})")
-        _check(env.path is None or self.algorithm.max_staleness == 0
-               or self.algorithm.partial_rollouts == "finish", "algorithm.partial_rollouts",
-               self.algorithm.partial_rollouts, "'finish' with env.path (multi-turn episodes are "
-               "not interrupted by a weight update)")
         if self.reward.answer_after == "auto":
             # Resolved here, where the prompt format is known: RewardComputer gets only
             # cfg.reward. A new object, so a RewardConfig given to two Configs resolves in each.

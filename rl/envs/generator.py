@@ -37,7 +37,7 @@ class EpisodeBatch:
     def wait(self, timeout: float) -> bool:
         return bool(wait_futures([self.future], timeout=timeout).done)
 
-    def result(self) -> tuple[list[list[Sample]], float]:
+    def result(self) -> tuple[list, float]:
         return self.future.result()
 
 
@@ -70,22 +70,35 @@ class MultiTurnGenerator:
                              max_model_len=self.max_model_len)
 
     def start(self, prompts: list[list[int]], sampling: SamplingParams, seed: int,
-              examples: list | None = None) -> EpisodeBatch:
+              examples: list | None = None, pause_at: int | None = None) -> EpisodeBatch:
+        """`sampling.n` episodes of each prompt, each started from its example; with
+        `pause_at`, episodes pause at that many response tokens (`EpisodeRunner.run`)."""
         if examples is None or len(examples) != len(prompts):
             raise ValueError("multi-turn generation needs one example per prompt")
-        cancel = threading.Event()
         rows = [example_row(ex) for ex in examples]
+        return self._submit(lambda cancelled: self.runner(cancelled).run(
+            prompts, rows, sampling, seed, cancelled, pause_at))
 
-        def job() -> tuple[list[list[Sample]], float]:
+    def resume(self, samples: list[Sample], examples: list, sampling: SamplingParams,
+               seed: int) -> EpisodeBatch:
+        """Continue paused episodes (`Sample.paused`; `examples[i]`: the example `samples[i]`
+        started from) with the engines' weights; `finish` gives them back in order."""
+        rows = [example_row(ex) for ex in examples]
+        return self._submit(lambda cancelled: self.runner(cancelled).resume(
+            samples, rows, sampling, seed, cancelled))
+
+    def _submit(self, work: Callable[[Callable[[], bool]], list]) -> EpisodeBatch:
+        cancel = threading.Event()
+
+        def job() -> tuple[list, float]:
             t0 = time.perf_counter()
-            out = self.runner(cancel.is_set).run(prompts, rows, sampling, seed, cancel.is_set)
+            out = work(cancel.is_set)
             return out, time.perf_counter() - t0
         batch = EpisodeBatch(self._executor.submit(job), cancel)
         self._running = [b for b in self._running if not b.future.done()] + [batch]
         return batch
 
-    def finish(self, gen: EpisodeBatch, prompts, sampling, seed, examples=None
-               ) -> tuple[list[list[Sample]], float]:
+    def finish(self, gen: EpisodeBatch, prompts, sampling, seed, **_) -> tuple[list, float]:
         return gen.result()
 
     def abandon(self) -> None:

@@ -108,6 +108,12 @@ class Sample:
     """The environment's reward for the episode (0 when it failed or was cut)."""
     env_error: str | None = None
     """Why the environment failed on this episode (None: it did not)."""
+    paused: dict | None = None
+    """An episode interrupted by a weight update (`algorithm.partial_rollouts: resume`), to be
+    continued with the new weights (`rl.envs.episodes.EpisodeRunner.resume`): `mid_turn` (its
+    last model turn is unfinished), `messages` (what the environment got, turn by turn: replayed
+    to rebuild it after a restart) and `env_state` (its pickled instance; in memory only, never
+    in a checkpoint). None for every sample that is trained on."""
 
     @property
     def oldest_version(self) -> int:

@@ -86,3 +86,14 @@ class Relay:
                 if sum(1 for _ in f) == int(os.environ.get("RL_TEST_ENV_PAUSE_AT", "-1")):
                     time.sleep(1.5)
         return StepResult(reward=1.0 if 0 < len(text) <= 2 else 0.0, done=True)
+
+
+class Unreplayable(CalcEnv):
+    """Breaks the protocol: its observations are random, so replaying its messages gives other
+    answers."""
+
+    def step(self, message):
+        import random
+        if message.tool_calls:
+            return StepResult(observation=f"[{random.random()}]")
+        return StepResult(reward=1.0, done=True)

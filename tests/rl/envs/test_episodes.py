@@ -5,39 +5,9 @@ import pytest
 from rl.envs.episodes import EpisodeRunner, turn_seed
 from rl.envs.pool import EnvPool
 from rl.envs.tools import ToolFormat
-from rl.models.tokenizer import EOS_ID, build_char_tokenizer
-from rl.rollout.base import Sample, SamplingParams
-
-TOK = build_char_tokenizer()
-
-
-def ids(text):
-    return TOK(text, add_special_tokens=False)["input_ids"]
-
-
-class ScriptedEngine:
-    """Answers by the context's text: `script(text, sample_index) -> response text` (+ EOS
-    unless it is longer than max_new_tokens); records every call."""
-
-    def __init__(self, script, version=3):
-        self.script, self.version, self.calls = script, version, []
-
-    def __call__(self, prompts, sampling, seed):
-        self.calls.append((len(prompts), sampling.n, sampling.max_new_tokens, seed))
-        out = []
-        for p in prompts:
-            group = []
-            for j in range(sampling.n):
-                tokens = ids(self.script(TOK.decode(p), j)) + [EOS_ID]
-                reason = "stop"
-                if len(tokens) > sampling.max_new_tokens:
-                    tokens, reason = tokens[:sampling.max_new_tokens], "length"
-                group.append(Sample(prompt_ids=list(p), response_ids=tokens, text="",
-                                    logprobs=[-0.5] * len(tokens), finish_reason=reason,
-                                    weight_version=self.version))
-            out.append(group)
-        return out
-
+from rl.models.tokenizer import EOS_ID
+from rl.rollout.base import SamplingParams
+from tests.helpers.episodes import TOK, ScriptedEngine, ids
 
 @pytest.fixture(scope="module")
 def pool():
