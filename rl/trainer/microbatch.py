@@ -84,35 +84,21 @@ def pad_batch(prompt_ids: list[list[int]], response_ids: list[list[int]],
                  routing_mask=route_mask, loss_mask=lmask)
 
 
-def split_by_budget(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
-    """Greedy, order-preserving: a group's (rows x longest row) stays within `budget` tokens."""
+def split_by_budget(indices: list[int], lengths: list[int], budget: int,
+                    packed: bool = False) -> list[list[int]]:
+    """Greedy, order-preserving groups whose tokens stay within `budget`: rows x the longest row
+    (padded micro-batches), or with `packed` the sum of the rows' lengths (real tokens, the
+    rule for packed micro-batches). A row over the budget is a group of its own."""
     groups: list[list[int]] = []
     cur: list[int] = []
-    longest = 0
+    longest = total = 0
     for i in indices:
-        new_longest = max(longest, lengths[i])
-        if cur and (len(cur) + 1) * new_longest > budget:
+        new_longest, new_total = max(longest, lengths[i]), total + lengths[i]
+        if cur and (new_total if packed else (len(cur) + 1) * new_longest) > budget:
             groups.append(cur)
-            cur, new_longest = [], lengths[i]
+            cur, new_longest, new_total = [], lengths[i], lengths[i]
         cur.append(i)
-        longest = new_longest
-    if cur:
-        groups.append(cur)
-    return groups
-
-
-def split_by_tokens(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
-    """Greedy, order-preserving: a group's real tokens (the sum of its rows' lengths) stay within
-    `budget` (a longer row is a group of its own); the rule for packed micro-batches."""
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    total = 0
-    for i in indices:
-        if cur and total + lengths[i] > budget:
-            groups.append(cur)
-            cur, total = [], 0
-        cur.append(i)
-        total += lengths[i]
+        longest, total = new_longest, new_total
     if cur:
         groups.append(cur)
     return groups
@@ -121,15 +107,14 @@ def split_by_tokens(indices: list[int], lengths: list[int], budget: int) -> list
 def micro_batches(batch: TrainBatch, mine: list[int], budget: int, world_size: int,
                   packed: bool = False) -> list[Micro]:
     """This rank's micro-batches, padded with zero-weight copies up to the max over all ranks.
-    `packed` (`trainer.pack_sequences`): `budget` counts real tokens (`split_by_tokens`), else
-    rows x the longest row (`split_by_budget`)."""
+    `packed` (`trainer.pack_sequences`): `budget` counts real tokens, else rows x the longest
+    row (`split_by_budget`)."""
     n, lengths = len(batch), batch.lengths()
-    split = split_by_tokens if packed else split_by_budget
-    counts = [len(split(list(range(r, n, world_size)), lengths, budget))
+    counts = [len(split_by_budget(list(range(r, n, world_size)), lengths, budget, packed))
               for r in range(world_size)]
     routing, lmask = batch.routing, batch.loss_mask
     out = []
-    for group in split(mine, lengths, budget):
+    for group in split_by_budget(mine, lengths, budget, packed):
         out.append(pad_batch([batch.prompt_ids[i] for i in group],
                              [batch.response_ids[i] for i in group],
                              [batch.rollout_logprobs[i] for i in group], index=group,

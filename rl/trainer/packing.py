@@ -12,8 +12,8 @@ padded path's tokens/s, `bench.packing`). The log-probs (and entropies) come bac
 `(B, L-1)` layout the losses take (zeros where there is no next token of the row), so everything
 after the forward is the padded path's.
 
-The micro-batch budget then counts real tokens (`split_by_tokens`) instead of rows x longest.
-DeepSeek-V4 is not packed: its compressed attention pools blocks of consecutive tokens, which
+The micro-batch budget then counts real tokens (`split_by_budget(..., packed=True)`) instead of
+rows x longest. DeepSeek-V4 is not packed: its compressed attention pools blocks of consecutive tokens, which
 would cross row boundaries (`check_packable`).
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch
 
 from rl.config import ConfigError, load_config
 from rl.trainer.batch import TrainBatch
-from rl.trainer.microbatch import micro_batches, pad_batch, split_by_tokens
+from rl.trainer.microbatch import micro_batches, pad_batch, split_by_budget
 from rl.trainer.packing import check_packable, pack, unpack
 
 
@@ -46,9 +46,11 @@ def test_a_bin_with_padding_masks_no_query_row_entirely():
 
 def test_packed_budget_counts_real_tokens():
     lengths = [3, 9, 2, 2, 7, 1]
-    assert split_by_tokens(list(range(6)), lengths, 10) == [[0], [1], [2, 3], [4, 5]]
-    assert split_by_tokens([0, 2, 3, 5], lengths, 10) == [[0, 2, 3, 5]]
-    assert split_by_tokens([1], lengths, 4) == [[1]]  # a longer row is a group of its own
+    assert split_by_budget(list(range(6)), lengths, 10, packed=True) == [[0], [1], [2, 3], [4, 5]]
+    assert split_by_budget([0, 2, 3, 5], lengths, 10, packed=True) == [[0, 2, 3, 5]]
+    assert split_by_budget([1], lengths, 4, packed=True) == [[1]]  # a longer row is a group of its own
+    # padded: rows x the longest row (3 rows of 3, 2, 2 cost 9; four with the 1 too cost 12)
+    assert split_by_budget([0, 2, 3, 5], lengths, 10) == [[0, 2, 3], [5]]
     batch = TrainBatch(prompt_ids=[[1]] * 6, response_ids=[[2] * (n - 1) for n in lengths],
                        rollout_logprobs=[[-1.0] * (n - 1) for n in lengths], advantages=[1.0] * 6)
     padded = micro_batches(batch, list(range(6)), 10, 1)
