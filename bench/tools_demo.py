@@ -1,5 +1,6 @@
 """The tool-use demo's figures from its run directory: `python -m bench.tools_demo RUN_DIR
---wall-s S [--note TEXT]` writes bench/results/tools_demo.{json,md}.
+--seed N --wall-s S --date D --device TEXT [--note TEXT]` puts the run's row into
+bench/results/tools_demo.json (one row per seed; a seed's earlier row is replaced).
 
 Held-out greedy accuracy and tool-call rate of the warm start (step 0) and of the last
 evaluation (`eval/pass1`, `eval/tool_call_rate`, from TensorBoard: the step-0 evaluation is not
@@ -44,17 +45,21 @@ def figures(run_dir: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.tools_demo", description=__doc__.split("\n")[0])
     p.add_argument("run_dir", type=Path)
+    p.add_argument("--seed", type=int, default=0, help="the run's `seed`")
     p.add_argument("--wall-s", type=float, required=True, help="the run's wall time [s]")
     p.add_argument("--date", required=True)
     p.add_argument("--device", required=True)
     p.add_argument("--note", default="")
     args = p.parse_args(argv)
-    row = {"seed": 0, **figures(args.run_dir), "wall_s_loaded": round(args.wall_s)}
+    row = {"seed": args.seed, **figures(args.run_dir), "wall_s": round(args.wall_s),
+           "device": args.device, "date": args.date, "note": args.note}
+    path = OUT / "tools_demo.json"
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
+    rows = sorted([r for r in rows if r["seed"] != args.seed] + [row], key=lambda r: r["seed"])
     doc = {"what": "the tool-use demo (configs/local_tools.yaml): held-out greedy accuracy and "
                    "tool-call rate on 300 two-digit products, warm start vs the last evaluations",
-           "command": "python -m launch.submit configs/local_tools.yaml", "device": args.device,
-           "date": args.date, "note": args.note, "rows": [row]}
-    (OUT / "tools_demo.json").write_text(json.dumps(doc, indent=1) + "\n")
+           "command": "python -m launch.submit configs/local_tools.yaml seed=N", "rows": rows}
+    path.write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps(row, indent=1))
 
 
