@@ -6,6 +6,8 @@
 #                                            v4layer (one H200, .whl with transformers 5.19: two
 #                                            V4-Flash layers fwd+bwd, eager vs project vs fused
 #                                            path; V4_LAYER_ARGS adds options)
+#                                            tests_v4 (the V4 BF16 GPU tests: HF and fused
+#                                            layer under DeepSpeed ZeRO-2/3, the HF engine)
 #                                            tests_v4layer (the fused V4 layer's GPU test, same
 #                                            machine; its own call: with v4layer it can pass
 #                                            one call's 600 s)
@@ -100,6 +102,8 @@ for s in $sections; do
         v4layer) run v4_layer 540 python3 -m bench.v4_layer --out "$OUT" ${V4_LAYER_ARGS:---profile} ;;
         export) run export 560 python3 -m bench.export --out "$OUT" \
                     ${EXPORT_ARGS:---experts auto --budget-s 480} ;;
+        tests_v4) run tests_v4 300 python3 -m pytest -q -p no:cacheprovider \
+                      tests/gpu/test_v4_bf16_gpu.py ;;
         tests_v4layer) run tests_v4layer 360 python3 -m pytest -q -p no:cacheprovider -s \
                            tests/gpu/test_v4_layer_gpu.py ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
