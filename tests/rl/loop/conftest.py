@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -99,3 +100,23 @@ def assert_same_run(run_dir: Path, ref_dir: Path, keys=COMPARED) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def run_stopped_after(cfg, steps: int, **kw):
+    """`rl.loop.run(cfg)` in process, with a stop requested once `steps` steps are logged."""
+    from rl.loop import run
+    from rl.signals import StopRequest
+    stop = StopRequest()
+    threading.Thread(target=lambda: (
+        wait_for(lambda: len(read_metrics(cfg.run_dir)) >= steps, 900, f"step {steps}"),
+        stop.request("test")), daemon=True).start()
+    return run(cfg, stop=stop, **kw)
+
+
+def pending_batches(run_dir: Path) -> list:
+    """The batches generated ahead that the run's latest checkpoint holds (`RolloutBatch`es)."""
+    from rl.checkpoint import CheckpointManager
+    from rl.pipeline import RolloutBatch
+    from rl.safe_load import load
+    path, _ = CheckpointManager(run_dir).latest()
+    return [RolloutBatch.from_state(d) for d in load(path / "driver.pt")["pending"]]

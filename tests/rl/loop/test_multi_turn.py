@@ -7,7 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from tests.rl.loop.conftest import COMPARED, assert_same_run, make_cfg, read_metrics, wait_for
+from tests.rl.loop.conftest import (COMPARED, assert_same_run, make_cfg, pending_batches,
+                                    read_metrics, run_stopped_after, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -111,23 +112,12 @@ def test_stop_with_paused_episodes_resumes_to_the_same_run(async_reference, tmp_
     training, or collecting step 3's), the checkpoint holds episodes generated ahead, paused
     and without their environments; the resumed run rebuilds each environment from its
     messages and runs the uninterrupted run's steps."""
-    from rl.checkpoint import CheckpointManager
     from rl.loop import run
-    from rl.pipeline import RolloutBatch
-    from rl.safe_load import load
-    from rl.signals import StopRequest
     ref_cfg, _ = async_reference
     cfg = make_cfg(tmp_path, "multi-async", *MULTI, *ASYNC)
-    stop = StopRequest()
-    th = threading.Thread(target=lambda: (
-        wait_for(lambda: len(read_metrics(cfg.run_dir)) >= 1, 900, "step 1"),
-        stop.request("test")), daemon=True)
-    th.start()
-    first = run(cfg, stop=stop)
+    first = run_stopped_after(cfg, 1)
     assert first.status == "stopped" and 1 <= first.step < 6
-    path, _ = CheckpointManager(cfg.run_dir).latest()
-    pending = [s for d in load(path / "driver.pt")["pending"]
-               for s in RolloutBatch.from_state(d).samples()]
+    pending = [s for b in pending_batches(cfg.run_dir) for s in b.samples()]
     paused = [s for s in pending if s.paused is not None]
     assert paused and all(s.paused["env_state"] is None for s in paused)
     assert any(s.paused["messages"] for s in paused)  # their environments are replayed
