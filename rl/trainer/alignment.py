@@ -10,17 +10,20 @@ hyper-connection `scale` has 3) shifts every later view off alignment; at 16 ran
 rounding keeps them aligned, at 1 or 2 it does not. transformers checks alignment only on CPUs,
 where torch >= 2.11 takes misaligned operands anyway.
 
-`install(model)` makes the trainer's grouped_mm experts check their operands on every call and
-run that call as `batched_mm` (same math, no alignment requirement) when one is misaligned;
-the first fallback is logged.
+`install(model)` makes the trainer's grouped_mm experts check their operands on every call and,
+when one is misaligned, run grouped_mm on aligned copies of the misaligned ones (`clone`: a fresh
+allocation; autograd takes the gradient back to the views). The copies cost one layer's expert
+weights for the layers in flight. transformers' own alternative, `batched_mm`, gathers each
+token's expert weights: at DeepSeek-V4-Flash's dimensions 32 MiB per token and expert choice
+(48 GiB for two 256-token samples, an out-of-memory on a 141 GB H200). The first fallback is
+logged.
 """
 from __future__ import annotations
 
 import logging
 
 import torch
-from transformers.integrations.moe import (ALL_EXPERTS_FUNCTIONS, batched_mm_experts_forward,
-                                           grouped_mm_experts_forward)
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +40,21 @@ def misaligned(module: torch.nn.Module, hidden_states: torch.Tensor, alignment: 
     return bad + (["hidden_states"] if hidden_states.data_ptr() % alignment else [])
 
 
+class _AlignedCopies:
+    """`module` as the experts function reads it, with aligned copies of the parameters
+    `names` (the rest, methods included, are the module's own)."""
+
+    def __init__(self, module: torch.nn.Module, names: list[str]):
+        self._module = module
+        self._copies = {n: getattr(module, n).clone() for n in names}
+
+    def __getattr__(self, name: str):
+        copies = self.__dict__["_copies"]
+        return copies[name] if name in copies else getattr(self.__dict__["_module"], name)
+
+
 def aligned_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """grouped_mm when every operand is aligned, else batched_mm."""
+    """grouped_mm, on aligned copies of whichever operands are misaligned."""
     global _warned
     bad = misaligned(self, hidden_states)
     if not bad:
@@ -46,8 +62,12 @@ def aligned_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if not _warned:
         _warned = True
         log.warning("expert operands %s are not 16-byte aligned (views into DeepSpeed's flat "
-                    "buffer): those calls run batched_mm instead of grouped_mm", bad)
-    return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+                    "buffer): grouped_mm runs on aligned copies of them", bad)
+    if "hidden_states" in bad:
+        hidden_states = hidden_states.clone()
+    params = [n for n in bad if n != "hidden_states"]
+    module = _AlignedCopies(self, params) if params else self
+    return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
 
 
 def install(model) -> bool:
