@@ -66,7 +66,7 @@ def test_deepspeed_trainer_trains_v4_on_cuda(v4_dir, zero_stage, fused, report, 
     """DeepSpeed hands the model views into flat buffers, where V4's 3-element hyper-connection
     `scale` leaves the expert weights off 16-byte alignment at 1 rank, which grouped_mm refuses
     on CUDA ("expected data_ptr to be aligned to 16 bytes"): the worker's experts check and run
-    such calls as batched_mm (`rl.trainer.alignment`). With the fused layer (`RL_V4_LAYER=1`)
+    such calls on aligned copies (`rl.trainer.alignment`). With the fused layer (`RL_V4_LAYER=1`)
     the compiled functions get aligned copies of the misaligned norm and mixer weights
     (inductor's kernels fault on them: "CUDA error: misaligned address")."""
     pytest.importorskip("deepspeed")
