@@ -5,7 +5,9 @@ Both paths build their micro-batches as the trainer does (`rl.trainer.microbatch
 with the same `--budget`: padded counts rows x the longest row, packed counts real tokens) and
 their model inputs with `rl.trainer.packing.model_inputs`; a step is forward + backward of the
 sum of every response token's log-prob over all micro-batches (`losses.token_logprobs`, the
-padded layout back from `unpack`). A plain transformers model, no DeepSpeed.
+padded layout back from `unpack`). A plain transformers model with the trainer's packed
+attention (`rl.trainer.packing.install`: FlashAttention varlen on a GPU in bf16, SDPA row by
+row on the CPU), no DeepSpeed.
 
 Mixes (prompt + response lengths, seeded): `demo`, the CPU demo's (prompts of 6-12 tokens,
 responses of 1-8); `long_tail`, RL on reasoning (prompts 64-256, responses log-normal with a
@@ -80,9 +82,7 @@ def measure(model, batch, budget: int, packed: bool, device: str, warmup: int, r
     from rl.trainer.microbatch import micro_batches
     mbs = micro_batches(batch, list(range(len(batch))), budget, 1, packed=packed)
     real = sum(int(mb.attention_mask.sum()) for mb in mbs)
-    from rl.trainer.packing import pack
-    computed = sum((pack(mb.input_ids, mb.attention_mask).input_ids if packed else mb.input_ids)
-                   .numel() for mb in mbs)  # packed: the bins, padding at their ends included
+    computed = real if packed else sum(mb.input_ids.numel() for mb in mbs)
     for _ in range(warmup):
         model.zero_grad(set_to_none=True)
         _step(model, mbs, packed, device)
@@ -119,6 +119,8 @@ def main() -> None:
             "tiny", 256, 24, 64, 0, 1)
     fields = MODELS[args.model]
     model = random_model("qwen3", fields, device, dtype).train()
+    from rl.trainer.packing import install
+    install(model)  # what the trainer does with pack_sequences: varlen attention
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     rows, notes = [], []

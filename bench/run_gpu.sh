@@ -107,7 +107,9 @@ for s in $sections; do
         tests_v4layer) run tests_v4layer 360 python3 -m pytest -q -p no:cacheprovider -s \
                            tests/gpu/test_v4_layer_gpu.py ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
-        packing) run packing 420 python3 -m bench.packing --out "$OUT" ${PACKING_ARGS:-} ;;
+        packing) run tests_packing 120 python3 -m pytest -q -p no:cacheprovider \
+                     tests/gpu/test_packing_gpu.py
+                 run packing 420 python3 -m bench.packing --out "$OUT" ${PACKING_ARGS:-} ;;
         lmhead) run tests_lm_head 120 python3 -m pytest -q -p no:cacheprovider \
                     tests/gpu/test_lm_head_gpu.py
                 run lm_head 300 python3 -m bench.lm_head --out "$OUT" \

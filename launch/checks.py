@@ -295,14 +295,14 @@ def check_placement_or_exit(cfg: Config) -> None:
 
 def check_packing_or_exit(cfg: Config) -> None:
     """Exit 2 when `trainer.pack_sequences` is on for a model whose forward cannot be packed
-    (DeepSeek-V4; read from config.json alone, `rl.plan`): its ranks would fail at start."""
+    (`check_packable`; read from config.json alone, `rl.plan`): its ranks would fail at start."""
     if not cfg.trainer.pack_sequences:
         return
     from rl.plan import source
     from rl.trainer.packing import check_packable
     try:
         config, where, _ = source.model_config(cfg)
-        check_packable(str(config.get("model_type", "")))
+        check_packable(config, cfg.trainer.attention_kernel)
     except ValueError as e:  # ConfigError included
         fail(f"config error: {e}")
 

@@ -458,11 +458,11 @@ class TrainerConfig:
     DeepSeek-V4-Flash at 18,432 tokens). `false`: the full-logits path. Needs an `nn.Linear`
     head without bias (every supported model)."""
     pack_sequences: bool = False
-    """Pack each micro-batch's rows end to end into one sequence (per-row positions, a
-    block-diagonal causal mask; `rl.trainer.packing`) instead of padding them to the longest:
-    the same log-probs without computing padding, and `micro_batch_tokens` then counts real
-    tokens. Not for DeepSeek-V4 (its compressed attention would pool across rows) nor with
-    routing replay."""
+    """Pack each micro-batch's rows end to end into one sequence (per-row positions, attention
+    within each row: FlashAttention varlen on a GPU, `rl.models.varlen`; `rl.trainer.packing`)
+    instead of padding them to the longest: the same log-probs without computing padding, and
+    `micro_batch_tokens` then counts real tokens. Not with routing replay, sliding-window models,
+    or DeepSeek-V4 with `attention_kernel: eager`."""
     lm_head_chunk_rows: int = 1024
     """Rows (tokens) of logits the chunked LM head holds at once, forward and backward (its
     backward holds as many logits, a slice of the vocabulary for every token): about 8 B x rows
@@ -1031,9 +1031,6 @@ class Config:
         _check(not self.trainer.pack_sequences or self.algorithm.routing_replay == "off",
                "trainer.pack_sequences", True, "false with algorithm.routing_replay r2 or r3 "
                "(the replayed routing is laid out per padded row)")
-        _check(not self.trainer.pack_sequences or self.model.preset != "tiny-deepseek-v4",
-               "trainer.pack_sequences", True, "false for DeepSeek-V4 (its compressed attention "
-               "pools blocks of consecutive tokens across rows)")
         _check(not self.logging.save_routing or self.algorithm.routing_replay == "r3",
                "logging.save_routing", True, "false unless algorithm.routing_replay is r3 (only "
                "r3 asks the engines for routing)")

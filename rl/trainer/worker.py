@@ -27,7 +27,7 @@ from rl import safe_load
 from rl.checkpoint_files import release_files, seal_files, sha256_files
 from rl.config import AlgorithmConfig, SyncConfig, TrainerConfig
 from rl.faults import TrainerFaults
-from rl.trainer import losses
+from rl.trainer import losses, packing
 from rl.trainer.batch import TrainBatch, TrainStats
 from rl.trainer.checkpoint_io import RecordingCheckpointEngine, rank_files
 from rl.trainer.microbatch import (Micro, loss_count, micro_batches, micro_policy_loss,
@@ -260,7 +260,8 @@ class TrainerWorker:
         model = load_model(model_dir, dtype=self.dtype, device=device,  # type: ignore[arg-type]  # lint baseline (issue 39)
                            attention=self.cfg.attention_kernel)
         if self.cfg.pack_sequences:
-            check_packable(model.config.model_type)
+            check_packable(model.config.to_dict(), self.cfg.attention_kernel)
+            packing.install(model)
         if self.cfg.chunked_lm_head:  # before DeepSpeed hooks the modules (ZeRO-3 gathers)
             from rl.trainer.lm_head import LogprobHead
             LogprobHead.install(model)

@@ -290,14 +290,15 @@ def test_v4_rollout_checkpoint_with_fp8_experts_passes_the_check(tmp_path):
     check_rollout_checkpoint_or_exit(load_config(LOCAL, [f"rollout.model_path={d}"]))
 
 
-def test_packing_a_deepseek_v4_checkpoint_is_refused_before_anything_starts(tmp_path):
-    """trainer.pack_sequences with a DeepSeek-V4 model.path (config.json read alone): its
-    compressed attention would pool across the packed rows."""
-    d = tmp_path / "v4"
+def test_packing_a_sliding_window_checkpoint_is_refused_before_anything_starts(tmp_path):
+    """trainer.pack_sequences with a model.path whose config.json (read alone) has
+    sliding-window layers: the packed attention has no window."""
+    d = tmp_path / "sliding"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}))
     runs = tmp_path / "runs"
     proc = submit(f"output_dir={runs}", f"model.path={d}", "trainer.pack_sequences=true")
     assert_refused_in_one_line(proc, "trainer.pack_sequences: got true, expected false for "
-                                     "DeepSeek-V4")
+                                     "qwen3 with sliding-window attention layers")
     assert not runs.exists()  # refused before anything ran

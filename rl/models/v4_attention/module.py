@@ -8,12 +8,15 @@ blocks. With a cache (generation) it runs transformers' eager forward unchanged.
 """
 from __future__ import annotations
 
+import torch
+
 from transformers.masking_utils import eager_mask, sliding_window_causal_mask_function
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4Attention, DeepseekV4CSACompressor, apply_rotary_pos_emb)
 
 from rl.models.v4_attention.compress import compressed_entries, indexer_topk
 from rl.models.v4_attention.kernel import attention
+from rl.models.varlen import row_bounds
 
 
 class LinearV4Attention(DeepseekV4Attention):
@@ -36,18 +39,27 @@ class LinearV4Attention(DeepseekV4Attention):
         kv = self.kv_norm(self.kv_proj(hidden_states)).view(batch, seq_len, 1, self.head_dim)
         kv = apply_rotary_pos_emb(kv.transpose(1, 2), cos, sin).squeeze(1)  # (B, S, D)
 
-        comp = topk = thr = None
-        if self.compressor is not None:
-            csa = isinstance(self.compressor, DeepseekV4CSACompressor)
-            comp = compressed_entries(self.compressor, hidden_states, overlap=csa)
-            if csa:
-                topk = indexer_topk(self.compressor.indexer, hidden_states, q_residual,
-                                    position_ids)
-            else:
-                thr = ((position_ids + 1) // self.compressor.compress_rate).expand(batch, -1)
-        valid = None if attention_mask is None else attention_mask.bool()
-        out = attention(q, kv, comp, topk, thr, valid, self.sinks, self.scaling,
-                        self.sliding_window)  # (B, H, S, D)
+        # Packed rows (`trainer.pack_sequences`, `rl.trainer.packing`): one sequence, each row's
+        # compressor windows, indexer and core attention of its own tokens only.
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is not None and batch != 1:
+            raise ValueError(f"packed V4 attention: batch {batch}, expected one sequence")
+        spans = [(0, seq_len)] if cu is None else row_bounds(cu)
+        valid = None if attention_mask is None or cu is not None else attention_mask.bool()
+        outs = []
+        for a, b in spans:
+            h, pos = hidden_states[:, a:b], position_ids[:, a:b]
+            comp = topk = thr = None
+            if self.compressor is not None:
+                csa = isinstance(self.compressor, DeepseekV4CSACompressor)
+                comp = compressed_entries(self.compressor, h, overlap=csa)
+                if csa:
+                    topk = indexer_topk(self.compressor.indexer, h, q_residual[:, a:b], pos)
+                else:
+                    thr = ((pos + 1) // self.compressor.compress_rate).expand(batch, -1)
+            outs.append(attention(q[:, :, a:b], kv[:, a:b], comp, topk, thr, valid, self.sinks,
+                                  self.scaling, self.sliding_window))  # (B, H, n, D)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         # Undo the rope that V (= K) carried, at the query position (as eager does).
         out = apply_rotary_pos_emb(out, cos, -sin).transpose(1, 2)
         grouped = out.reshape(batch, seq_len, self.config.o_groups, -1)

@@ -1,8 +1,9 @@
-"""`trainer.pack_sequences`: the rows of a micro-batch end to end, per-row positions and a
-block-diagonal causal mask (`rl.trainer.packing`). The layout, the budget rule, the refusals,
+"""`trainer.pack_sequences`: the rows of a micro-batch end to end in one sequence, per-row
+positions, attention within each row (`rl.trainer.packing`, `rl.models.varlen`). The layout, the
+forward and backward of every model family against the padded path, the budget rule, the refusals,
 and on a real TrainerWorker (two DeepSpeed ranks, plain processes, gloo) the same log-probs,
-step statistics and updated weights as the padded path, for tiny Qwen3-MoE and DeepSeek-V3,
-ZeRO-2 and ZeRO-3, fp32 and BF16."""
+step statistics and updated weights as the padded path, for tiny Qwen3-MoE, DeepSeek-V3 and
+DeepSeek-V4, ZeRO-2 and ZeRO-3, fp32 and BF16."""
 import random
 
 import pytest
@@ -14,34 +15,91 @@ from rl.trainer.microbatch import micro_batches, pad_batch, split_by_budget
 from rl.trainer.packing import check_packable, pack, unpack
 
 
-def test_pack_lays_rows_end_to_end_in_bins_of_the_longest_row():
-    # lengths 5, 2, 3: row 0 fills a bin of 5; rows 1 and 2 share the second (first fit)
-    mb = pad_batch([[1, 5], [1], [1, 4]], [[6, 7, 8], [9], [3]])
+def test_pack_lays_rows_end_to_end_in_one_sequence():
+    mb = pad_batch([[1, 5], [1], [1, 4]], [[6, 7, 8], [9], [3]])  # lengths 5, 2, 3
     p = pack(mb.input_ids, mb.attention_mask)
-    assert p.input_ids.tolist() == [[1, 5, 6, 7, 8], [1, 9, 1, 4, 3]]
-    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
-    assert p.targets.tolist() == [[5, 6, 7, 8], [9, 1, 4, 3]]
-    mask = p.attention_mask[1, 0]
-    assert mask[1].tolist() == [True, True, False, False, False]  # row 1's last token: its own
-    assert mask[4].tolist() == [False, False, True, True, True]  # row 2 never sees row 1
-    assert not p.attention_mask[0, 0, 0, 1]  # causal
-    # predictions inside a row only: (row, col) <- (bin, position)
-    assert list(zip(p.rows.tolist(), p.cols.tolist(), p.bins.tolist(), p.at.tolist())) == [
-        (0, 0, 0, 0), (0, 1, 0, 1), (0, 2, 0, 2), (0, 3, 0, 3),
-        (1, 0, 1, 0), (2, 0, 1, 2), (2, 1, 1, 3)]
-    values = torch.arange(8, dtype=torch.float32).view(2, 4).requires_grad_()
+    assert p.input_ids.tolist() == [[1, 5, 6, 7, 8, 1, 9, 1, 4, 3]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 0, 1, 2]]
+    assert p.cu_seq_lens.tolist() == [0, 5, 7, 10] and p.cu_seq_lens.dtype == torch.int32
+    assert p.max_length == 5
+    assert p.targets.tolist() == [[5, 6, 7, 8, 1, 9, 1, 4, 3]]
+    kwargs = p.model_kwargs()
+    assert "attention_mask" not in kwargs and kwargs["cu_seq_lens_q"] is p.cu_seq_lens
+    # predictions inside a row only: (row, col) <- position in the sequence
+    assert list(zip(p.rows.tolist(), p.cols.tolist(), p.at.tolist())) == [
+        (0, 0, 0), (0, 1, 1), (0, 2, 2), (0, 3, 3), (1, 0, 5), (2, 0, 7), (2, 1, 8)]
+    values = torch.arange(9, dtype=torch.float32).view(1, 9).requires_grad_()
     out = unpack(values, p)
-    assert out.tolist() == [[0, 1, 2, 3], [4, 0, 0, 0], [6, 7, 0, 0]]
+    assert out.tolist() == [[0, 1, 2, 3], [5, 0, 0, 0], [7, 8, 0, 0]]
     out.sum().backward()
-    assert values.grad.tolist() == [[1, 1, 1, 1], [1, 0, 1, 1]]  # position 1 -> row 2: unused
+    assert values.grad.tolist() == [[1, 1, 1, 1, 0, 1, 0, 1, 1]]  # across a row's end: unused
 
 
-def test_a_bin_with_padding_masks_no_query_row_entirely():
-    mb = pad_batch([[1, 5], [1]], [[6, 7, 8], [9]])  # lengths 5 and 2: the second bin pads 3
-    p = pack(mb.input_ids, mb.attention_mask)
-    assert p.input_ids.tolist() == [[1, 5, 6, 7, 8], [1, 9, 0, 0, 0]]
-    assert bool(p.attention_mask.any(-1).all())  # SDPA returns NaN for an all-masked query
-    assert p.attention_mask[1, 0, 3].tolist() == [False, False, False, True, False]
+def _rows(n: int = 4, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[1] + torch.randint(3, 100, (k,), generator=g).tolist() for k in (3, 9, 5, 20)]
+    responses = [torch.randint(3, 100, (k,), generator=g).tolist() for k in (7, 1, 12, 4)]
+    return pad_batch(prompts[:n], responses[:n])
+
+
+def _logprobs_and_grads(model, mb, packed: bool, cross_rows: bool = False):
+    from rl.trainer import losses
+    from rl.trainer.packing import model_inputs
+    model.zero_grad(set_to_none=True)
+    kwargs, targets, layout = model_inputs(mb.input_ids, mb.attention_mask, packed, "cpu")
+    if cross_rows:  # the rows' bounds withheld: attention over the whole sequence
+        kwargs = {k: v for k, v in kwargs.items() if not k.startswith(("cu_seq", "max_len"))}
+    logp = losses.token_logprobs(model(**kwargs).logits[:, :-1], targets)
+    if layout is not None:
+        logp = unpack(logp, layout)
+    logp = logp * mb.resp_mask[:, 1:]
+    logp.sum().backward()
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    return logp.detach().float(), grads
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-deepseek-v4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_forward_and_backward_equal_the_padded_ones(tmp_path_factory, preset, dtype):
+    """The model the trainer loads, with the packed attention it installs (`rl.models.varlen`;
+    DeepSeek-V4: its compressor windows, indexer and sliding window row by row; the tiny V4's
+    rows of 11-25 tokens span CSA windows of 4, top-4 picks and its window of 16)."""
+    from rl.config import ModelConfig
+    from rl.models.loading import load_model, resolve_model_dir
+    from rl.trainer.packing import install
+    model_dir = resolve_model_dir(ModelConfig(preset=preset),
+                                  tmp_path_factory.getbasetemp() / "packing-models")
+    model = load_model(str(model_dir), dtype=getattr(torch, dtype), device="cpu",
+                       attention="auto").train()
+    install(model)
+    mb = _rows()
+    ref_logp, ref_grads = _logprobs_and_grads(model, mb, packed=False)
+    logp, grads = _logprobs_and_grads(model, mb, packed=True)
+    bf16 = dtype == "bfloat16"
+    assert (logp - ref_logp).abs().max().item() <= (0.02 if bf16 else 1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        scale = ref_grads[name].abs().max().item() + 1e-6
+        assert (g - ref_grads[name]).abs().max().item() <= (0.05 if bf16 else 1e-4) * scale, name
+    # Without the row bounds the same sequence gives other log-probs: the bounds are what keeps
+    # rows apart.
+    crossed, _ = _logprobs_and_grads(model, mb, packed=True, cross_rows=True)
+    assert (crossed - ref_logp).abs().max().item() > 0.05
+
+
+def test_packed_attention_on_the_cpu_is_causal_per_row():
+    from rl.models.varlen import packed_attention
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, 10, 8, generator=g) for h in (4, 2, 2))  # grouped heads
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    out = packed_attention(q, k, v, cu, 7, None)
+    assert out.shape == (1, 10, 4, 8)
+    for a, b in ((0, 3), (3, 10)):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, a:b].repeat_interleave(2, 1), v[:, :, a:b].repeat_interleave(2, 1),
+            is_causal=True)
+        torch.testing.assert_close(out[:, a:b], ref.transpose(1, 2))
 
 
 def test_packed_budget_counts_real_tokens():
@@ -59,19 +117,25 @@ def test_packed_budget_counts_real_tokens():
     assert [m.index for m in packed] == [[0], [1], [2, 3], [4, 5]]
 
 
-def test_v4_and_routing_replay_are_refused():
+def test_eager_v4_sliding_windows_and_routing_replay_are_refused():
     with pytest.raises(ValueError, match=r"trainer\.pack_sequences: got true, expected false "
-                                         r"for DeepSeek-V4"):
-        check_packable("deepseek_v4")
-    check_packable("qwen3_moe")
+                                         r"with trainer\.attention_kernel eager for deepseek_v4"):
+        check_packable({"model_type": "deepseek_v4"}, "eager")
+    check_packable({"model_type": "deepseek_v4", "layer_types": ["sliding_attention"]},
+                   "auto")  # rl.models.v4_attention packs, windows included
+    check_packable({"model_type": "qwen3_moe"}, "eager")  # eager means SDPA there
+    with pytest.raises(ValueError, match=r"expected false for qwen3 with sliding-window"):
+        check_packable({"model_type": "qwen3", "layer_types": ["full_attention",
+                                                                 "sliding_attention"]})
+    with pytest.raises(ValueError, match=r"expected false for qwen3 with sliding-window"):
+        check_packable({"model_type": "qwen3", "use_sliding_window": True})
     with pytest.raises(ConfigError, match=r"trainer\.pack_sequences: got True, expected false "
                                           r"with algorithm\.routing_replay r2 or r3"):
         load_config("configs/local.yaml", ["trainer.pack_sequences=true",
                                            "algorithm.routing_replay=r3"])
-    with pytest.raises(ConfigError, match=r"trainer\.pack_sequences: got True, expected false "
-                                          r"for DeepSeek-V4"):
-        load_config("configs/local_v4.yaml", ["trainer.pack_sequences=true"])
     assert load_config("configs/local.yaml", ["trainer.pack_sequences=true"]).trainer.pack_sequences
+    assert load_config("configs/local_v4.yaml",
+                       ["trainer.pack_sequences=true"]).trainer.pack_sequences
 
 
 def _long_tail_batch(n: int = 12, seed: int = 3) -> TrainBatch:
@@ -118,7 +182,8 @@ def _run(model_dir, packed: bool, zero_stage: int, dtype: str) -> dict:
 @pytest.mark.parametrize("preset, zero_stage, dtype", [
     ("tiny-qwen3-moe", 3, "float32"),
     ("tiny-deepseek-v3", 2, "float32"),
-    ("tiny-qwen3-moe", 2, "bfloat16")])
+    ("tiny-qwen3-moe", 2, "bfloat16"),
+    ("tiny-deepseek-v4", 3, "bfloat16")])
 def test_packed_trainer_matches_the_padded_one(tmp_path, preset, zero_stage, dtype):
     from rl.config import ModelConfig
     from rl.models.loading import resolve_model_dir
