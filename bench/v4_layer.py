@@ -21,7 +21,7 @@ Paths (same weights, same tokens, one process):
   `rl.models.v4_attention` (Triton forward and backward on a GPU, `RL_V4_ATTENTION_BWD=torch`
   for the older per-block recompute backward; the chunked torch path on a CPU); transformers'
   decoder layer, `grouped_mm` experts.
-- fused: what `load_model` builds with `RL_V4_LAYER=1`: `project` plus `rl.models.v4_layer`
+- fused: what `load_model` builds for a GPU (the default there since 2026-12-06): `project` plus `rl.models.v4_layer`
   (hyper-connections and norms as fused functions, compiled on CUDA; experts as one sort and two
   grouped GEMMs without scatter-adds).
 - fused_nocompile (not run unless named): `fused` with `RL_V4_COMPILE=0`, the same functions
@@ -336,7 +336,7 @@ def main() -> None:
              "eager = transformers' attention and layer (+ rl.models.v4_precision); project = "
              "+ rl.models.v4_attention (the project's path before rl.models.v4_layer); both "
              "grouped_mm experts; fused = + rl.models.v4_layer (compiled on CUDA), what "
-             "load_model installs with RL_V4_LAYER=1"]
+             "load_model installs on a GPU"]
     name = "v4_layer_smoke" if args.smoke else "v4_layer"
     notes += notes_on(rows, args.smoke)
     if args.profile:

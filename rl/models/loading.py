@@ -81,8 +81,11 @@ def refuse_quantized(model_dir: Path) -> None:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-               attention: str = "auto") -> PreTrainedModel:
-    """Load a causal LM from `model_dir` in `dtype`, on `device`, in eval mode.
+               attention: str = "auto", runs_on: str | torch.device | None = None
+               ) -> PreTrainedModel:
+    """Load a causal LM from `model_dir` in `dtype`, on `device`, in eval mode; `runs_on`: the
+    device it will compute on when that is not `device` (a trainer loads on the host and
+    DeepSpeed moves it).
 
     Parameters are `dtype` except those the architecture pins to fp32
     (`model._keep_in_fp32_modules_strict`: DeepSeek-V4's norms, hyper-connection mixers, sinks,
@@ -90,9 +93,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device =
     `rl.models.attention.attention_kernel`): SDPA; for DeepSeek-V4, whose HF code is eager-only,
     our linear-memory `rl.models.v4_attention` (same outputs), or transformers' eager with
     `attention="eager"`. DeepSeek-V4's norms compute in fp32 and return `dtype`
-    (`rl.models.v4_precision`), so a BF16 V4 runs end to end. With `RL_V4_LAYER=1` its
-    hyper-connections, norms and MoE run as `rl.models.v4_layer`'s fused functions (compiled on
-    CUDA; same outputs); off by default until it passes the DeepSpeed trainer's GPU tests.
+    (`rl.models.v4_precision`), so a BF16 V4 runs end to end. Running on CUDA (or wherever
+    `RL_V4_LAYER=1`; `RL_V4_LAYER=0` turns it off) its hyper-connections, norms and MoE run as
+    `rl.models.v4_layer`'s fused functions (compiled on CUDA; same outputs to rounding).
     A quantized checkpoint is refused (`refuse_quantized`).
     """
     refuse_quantized(model_dir)
@@ -106,7 +109,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device =
     if kind == "deepseek_v4":
         from rl.models import v4_layer, v4_precision
         v4_precision.install(model)
-        if v4_layer.requested():
+        if v4_layer.requested(device if runs_on is None else runs_on):
             v4_layer.install(model)
     if fused_v4:
         from rl.models.v4_attention import install

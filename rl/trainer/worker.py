@@ -258,7 +258,7 @@ class TrainerWorker:
     def _load(self, model_dir: str, device: torch.device):
         from rl.models.loading import load_model
         model = load_model(model_dir, dtype=self.dtype, device=device,  # type: ignore[arg-type]  # lint baseline (issue 39)
-                           attention=self.cfg.attention_kernel)
+                           attention=self.cfg.attention_kernel, runs_on=self.device)
         if self.cfg.pack_sequences:
             check_packable(model.config.to_dict(), self.cfg.attention_kernel)
             packing.install(model)

@@ -1,9 +1,8 @@
 """DeepSeek-V4's decoder layer outside attention, fast on GPUs: hyper-connections, norms, MoE.
 
-`install(model)` (called by `rl.models.loading.load_model` for a V4 when `RL_V4_LAYER=1`:
-`requested()`; off by default, because the DeepSpeed ZeRO-2 / ZeRO-3 trainer tests on a GPU
-(tests/gpu/test_v4_bf16_gpu.py) failed with it on 2026-12-05 and were not diagnosed) swaps transformers'
-decoder layer, hyper-connection mixers, final head, RMSNorms, MoE block and shared expert for the
+`install(model)` (called by `rl.models.loading.load_model` for a V4 loaded on a CUDA device, or
+wherever `RL_V4_LAYER=1`; `RL_V4_LAYER=0` keeps transformers' layer: `requested()`) swaps
+transformers' decoder layer, hyper-connection mixers, final head, RMSNorms, MoE block and shared expert for the
 subclasses in `modules` (same parameters) and makes `moe.experts_forward` the experts
 implementation. What each replaces and why: `hyper` (mixers and norms: fused functions,
 compiled on CUDA, see `compiled` for the `RL_V4_COMPILE` switch), `moe` (the routed experts
@@ -14,6 +13,8 @@ is `rl.models.v4_attention`'s.
 from __future__ import annotations
 
 import os
+
+import torch
 
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
@@ -37,11 +38,14 @@ SWAPS = {DeepseekV4DecoderLayer: modules.FusedDecoderLayer,
 ENV = "RL_V4_LAYER"
 
 
-def requested() -> bool:
-    """Whether `load_model` installs the fused layer (`RL_V4_LAYER`: 1 yes, 0 or unset no)."""
-    value = os.environ.get(ENV, "0")
+def requested(device="cpu") -> bool:
+    """Whether `load_model` installs the fused layer for a model going to `device`
+    (`RL_V4_LAYER`: 1 yes, 0 no, unset: on CUDA devices only, where it is compiled and pays)."""
+    value = os.environ.get(ENV)
+    if value is None:
+        return torch.device(device).type == "cuda"
     if value not in ("0", "1"):
-        raise ValueError(f"{ENV}={value!r}; expected 0 or 1")
+        raise ValueError(f"{ENV}={value!r}; expected 0 or 1 (unset: 1 on CUDA devices)")
     return value == "1"
 
 

@@ -60,17 +60,26 @@ def test_bf16_load_keeps_integer_buffers(preset_dirs):
     assert not model.training
 
 
-def test_v4_load_installs_the_fused_layer_on_request(preset_dirs, monkeypatch):
-    """load_model gives DeepSeek-V4 rl.models.v4_layer with RL_V4_LAYER=1 (and not without): its
-    decoder layers, mixers, norms, MoE blocks and shared experts, and its scatter-free experts
-    implementation."""
+def test_v4_load_installs_the_fused_layer_for_cuda_or_on_request(preset_dirs, monkeypatch):
+    """load_model gives DeepSeek-V4 rl.models.v4_layer when it will run on CUDA (a trainer
+    loads on the host: `runs_on`) or with RL_V4_LAYER=1, and not on the CPU or with
+    RL_V4_LAYER=0: its decoder layers, mixers, norms, MoE blocks and shared experts, and its
+    scatter-free experts implementation."""
     from rl.models.v4_layer import modules
     from rl.models.v4_layer.moe import IMPLEMENTATION
+    d = preset_dirs["tiny-deepseek-v4"]
+    def fused(model) -> bool:
+        return any(type(layer) is modules.FusedDecoderLayer for layer in model.model.layers)
     monkeypatch.delenv("RL_V4_LAYER", raising=False)
-    plain = load_model(preset_dirs["tiny-deepseek-v4"], torch.bfloat16)
-    assert not any(type(layer) is modules.FusedDecoderLayer for layer in plain.model.layers)
+    assert not fused(load_model(d, torch.bfloat16))
+    assert fused(load_model(d, torch.bfloat16, runs_on="cuda"))
+    monkeypatch.setenv("RL_V4_LAYER", "0")
+    assert not fused(load_model(d, torch.bfloat16, runs_on="cuda"))
+    monkeypatch.setenv("RL_V4_LAYER", "yes")
+    with pytest.raises(ValueError, match=r"RL_V4_LAYER='yes'; expected 0 or 1"):
+        load_model(d, torch.bfloat16)
     monkeypatch.setenv("RL_V4_LAYER", "1")
-    model = load_model(preset_dirs["tiny-deepseek-v4"], torch.bfloat16)
+    model = load_model(d, torch.bfloat16)
     layers = model.model.layers
     assert all(type(layer) is modules.FusedDecoderLayer for layer in layers)
     for layer in layers:
