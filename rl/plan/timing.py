@@ -49,18 +49,21 @@ class Device:
     inter_node_gbps: float
     v4_attention_us_per_token: float | None
     """One V4 CSA attention layer (projections included), forward + backward, microseconds per
-    token at 8,192 tokens; None: not measured on this device (scaled from H200 by matmul rate)."""
+    token at 18,432 tokens (V4-Flash's micro-batch); None: not measured on this device (scaled
+    from H200 by matmul rate)."""
     source: str
 
 
 # H200: measured on 2 x H200 (NVLink) in bench/results (train.json bf16 peak 791, rollout.json
-# copy 4,144 GB/s, weight_sync.json flat NCCL broadcast 368 GB/s, v4_attention.json CSA layer
-# 156.6 ms at 8,192 tokens); IB is the DGX H200 datasheet's one 400 Gb/s ConnectX-7 per GPU.
+# copy 4,144 GB/s, weight_sync.json flat NCCL broadcast 368 GB/s); the V4 attention rate is
+# v4_attention_h100.json's CSA layer with the Triton forward and backward, 260.8 ms at 18,432
+# tokens on an H100 (the H200's compute; the kernel is bound by compute and latency, not HBM);
+# IB is the DGX H200 datasheet's one 400 Gb/s ConnectX-7 per GPU.
 # MI300X: AMD datasheet (1,307 TFLOP/s dense BF16, 5.3 TB/s HBM3, 7 x 64 GB/s Infinity Fabric
 # links per GPU = 448 GB/s), 400 Gb/s NIC per GPU; nothing measured here.
 DEVICES = {
-    "h200": Device("h200", 791.0, 4144.0, 368.0, 50.0, 156.6e3 / 8192,
-                   "measured in bench/results (train, rollout, weight_sync, v4_attention); "
+    "h200": Device("h200", 791.0, 4144.0, 368.0, 50.0, 260.8e3 / 18432,
+                   "measured in bench/results (train, rollout, weight_sync, v4_attention_h100); "
                    "inter-node: DGX H200 datasheet"),
     "mi300x": Device("mi300x", 1307.0, 5300.0, 448.0, 50.0, None,
                      "AMD MI300X datasheet peaks, not measured; 400 Gb/s NIC per GPU"),
