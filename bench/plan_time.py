@@ -73,6 +73,11 @@ MISSES = {
     "V4-Flash's 18,432-token micro-batch; the layer's time grows faster than linearly (its "
     "indexer scores every earlier compressed entry for each query before the top-k), so a "
     "short sequence is over-predicted (the safe side)",
+    **{f"v4 layers 2 V4-Flash layers fwd+bwd {t} tokens (H100, fused)": "over-predicted: the "
+       "HCA layer's attention is costed at the CSA layer's measured rate (its own is not "
+       "measured), and the matmuls at plan.mfu, fitted on a Qwen3-0.6B ZeRO-2 step, where the "
+       "fused V4 layer runs its experts as grouped GEMMs without DeepSpeed; the 3-node plan "
+       "carries both (an upper bound)" for t in ("8,192", "18,432")},
 }
 
 
@@ -264,6 +269,38 @@ def moe_actor_rows(results: Path) -> list[dict]:
     return out
 
 
+def v4_layer_rows(results: Path) -> list[dict]:
+    """v4_layer_h100.json (one H100, no DeepSpeed): forward + backward of two V4-Flash layers
+    (CSA, HCA; 64 experts top-6) on the trainer's default GPU path, predicted as the planner
+    costs a trainer pass: the matmul parameters at plan.mfu, the attention at the preset's
+    measured V4 rate (both layers at the CSA rate)."""
+    d = load(results, "v4_layer_h100")
+    if d is None:
+        return []
+    from rl.plan.source import known_models
+    from rl.plan.timing import matmul_params
+    c = json.loads(known_models()["deepseek-v4-flash"].read_text())
+    c.pop("compress_ratios", None)
+    cfg = d["config"]
+    c.update(num_hidden_layers=len(cfg["layer_types"]), layer_types=cfg["layer_types"],
+             n_routed_experts=cfg["n_routed_experts"],
+             num_experts_per_tok=cfg["num_experts_per_tok"])
+    a = plan_arch.parse(c, "bench:v4_layer")
+    peak = d["bf16_peak_TFLOPs"] * 1e12
+    rate = DEVICES["h200"].v4_attention_us_per_token * 1e-6
+    out = []
+    for r in d["rows"]:
+        if r["path"] != "fused" or r["result"] != "ok":
+            continue
+        t = r["tokens"]
+        pred = t * matmul_params(a) * 6 / (peak * DEFAULTS.mfu) + t * a.num_layers * rate
+        out.append(_row("v4 layers", f"2 V4-Flash layers fwd+bwd {t:,} tokens (H100, fused)",
+                        "check", pred, r["seconds"],
+                        f"peak {d['bf16_peak_TFLOPs']:.0f} TFLOP/s, plan.mfu {DEFAULTS.mfu}, "
+                        f"V4 attention {rate * 1e6:.1f} us per token per layer"))
+    return out
+
+
 def async_rows(results: Path) -> list[dict]:
     """The 2-GPU loop's step split. Its model is the tiny-qwen3-moe preset (1.8 M parameters):
     every part is launch- and latency-bound, which a throughput model cannot predict."""
@@ -294,7 +331,8 @@ def async_rows(results: Path) -> list[dict]:
 
 
 READERS = {"train": train_rows, "weight_sync": sync_rows, "rollout": rollout_rows,
-           "v4_attention": v4_attention_rows, "routing_replay": routing_replay_rows,
+           "v4_attention": v4_attention_rows, "v4_layer": v4_layer_rows,
+           "routing_replay": routing_replay_rows,
            "moe_actor": moe_actor_rows,
            "async_rl_gpu": async_rows}
 
