@@ -1,7 +1,8 @@
 """Packed rows on a GPU in BF16 (`trainer.pack_sequences`): torch's FlashAttention varlen kernel
 (`rl.models.varlen`, the path the trainer takes there) against SDPA row by row, with grouped
-heads, values and gradients; and a random Qwen3 (the trainer's attention installed) whose packed
-log-probs and gradients equal the padded path's within bf16 rounding."""
+heads, values and gradients; and a random Qwen3 and the tiny DeepSeek-V4 (the trainer's attention
+installed) whose packed log-probs and gradients in BF16 are no further from the fp32 padded path
+than the BF16 padded path is."""
 import pytest
 import torch
 
@@ -35,31 +36,65 @@ def test_varlen_kernel_matches_sdpa_row_by_row():
         assert err <= 0.02 * b.float().abs().max().item() + 1e-3, (name, err)
 
 
+def _logprobs_and_grads(model, mb, packed: bool):
+    from rl.trainer import losses
+    from rl.trainer.packing import model_inputs, unpack
+    model.zero_grad(set_to_none=True)
+    kwargs, targets, layout = model_inputs(mb.input_ids, mb.attention_mask, packed, "cuda")
+    logp = losses.token_logprobs(model(**kwargs).logits[:, :-1], targets)
+    if layout is not None:
+        logp = unpack(logp, layout)
+    logp = logp * mb.resp_mask[:, 1:].cuda()
+    logp.sum().backward()
+    return logp.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()
+                                   if p.grad is not None}
+
+
+def _assert_packed_as_close_as_padded(build, mb):
+    """BF16 packed vs BF16 padded, both against the fp32 padded path: the packed one is no
+    further from fp32 (log-probs, every parameter's gradient) than the padded one."""
+    from rl.trainer.packing import install
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build(dtype).train()
+        install(model)
+        results[dtype, False] = _logprobs_and_grads(model, mb, packed=False)
+        if dtype == torch.bfloat16:
+            results[dtype, True] = _logprobs_and_grads(model, mb, packed=True)
+        del model
+    (true, true_g), (ref, ref_g), (got, got_g) = (
+        results[torch.float32, False], results[torch.bfloat16, False],
+        results[torch.bfloat16, True])
+    assert (got - true).abs().max().item() <= 1.25 * (ref - true).abs().max().item() + 0.01
+    assert got_g.keys() == ref_g.keys()
+    for name, g in got_g.items():
+        t = true_g[name]
+        assert ((g - t).norm().item() <= 1.25 * (ref_g[name] - t).norm().item()
+                + 0.02 * t.norm().item() + 1e-6), name
+
+
+def _batch(lengths, vocab_hi: int):
+    from rl.trainer.microbatch import pad_batch
+    g = torch.Generator().manual_seed(0)
+    return pad_batch([[1] + torch.randint(3, vocab_hi, (p,), generator=g).tolist()
+                      for p, _ in lengths],
+                     [torch.randint(3, vocab_hi, (r,), generator=g).tolist() for _, r in lengths])
+
+
 def test_packed_qwen3_matches_padded_on_cuda():
     from bench.common import QWEN3_06B, random_model
-    from rl.trainer import losses
-    from rl.trainer.microbatch import pad_batch
-    from rl.trainer.packing import install, model_inputs, unpack
     fields = {**QWEN3_06B, "num_hidden_layers": 4}
-    model = random_model("qwen3", fields, "cuda", torch.bfloat16).train()
-    install(model)
-    g = torch.Generator().manual_seed(0)
-    lengths = [(64, 900), (200, 5), (80, 300), (120, 40)]
-    mb = pad_batch([torch.randint(3, 1000, (p,), generator=g).tolist() for p, _ in lengths],
-                   [torch.randint(3, 1000, (r,), generator=g).tolist() for _, r in lengths])
-    results = []
-    for packed in (False, True):
-        model.zero_grad(set_to_none=True)
-        kwargs, targets, layout = model_inputs(mb.input_ids, mb.attention_mask, packed, "cuda")
-        logp = losses.token_logprobs(model(**kwargs).logits[:, :-1], targets)
-        if layout is not None:
-            logp = unpack(logp, layout)
-        logp = logp * mb.resp_mask[:, 1:].cuda()
-        logp.sum().backward()
-        results.append((logp.detach().float(),
-                        {n: p.grad.float().clone() for n, p in model.named_parameters()}))
-    (ref, ref_grads), (got, grads) = results
-    assert (got - ref).abs().max().item() <= 0.05
-    for name, gr in grads.items():
-        scale = ref_grads[name].abs().max().item()
-        assert (gr - ref_grads[name]).abs().max().item() <= 0.1 * scale + 1e-6, name
+    _assert_packed_as_close_as_padded(lambda dtype: random_model("qwen3", fields, "cuda", dtype),
+                                      _batch([(64, 900), (200, 5), (80, 300), (120, 40)], 1000))
+
+
+def test_packed_v4_matches_padded_on_cuda(tmp_path_factory):
+    """The tiny DeepSeek-V4 as the trainer loads it for a GPU (Triton V4 attention, the fused
+    layer): packed rows run the attention row by row. Rows of 40-300 tokens span CSA windows,
+    top-k picks, HCA windows of 128 and the sliding window."""
+    from rl.config import ModelConfig
+    from rl.models.loading import load_model, resolve_model_dir
+    d = resolve_model_dir(ModelConfig(preset="tiny-deepseek-v4"),
+                          tmp_path_factory.mktemp("models"))
+    _assert_packed_as_close_as_padded(lambda dtype: load_model(d, dtype, device="cuda"),
+                                      _batch([(20, 280), (30, 10), (100, 40), (8, 200)], 100))
