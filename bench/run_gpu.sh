@@ -24,6 +24,9 @@
 #                                            lmhead (one GPU: V4-Flash's LM head fwd+bwd, full
 #                                            logits vs the chunked path at 512 / 1,024 / 2,048
 #                                            rows a chunk; LM_HEAD_ARGS replaces those options)
+#                                            v4attn_layers (one GPU: the HCA and sliding-only V4
+#                                            attention layers' Triton fwd+bwd, into $OUT/hca
+#                                            and $OUT/sliding)
 #   (fp8gemm: the decode GEMMs, FP8 paths vs BF16 vs the roofline; issue 16's measurement;
 #    fp8gemm_sweep: the same with w8a16's launch settings swept per shape)
 #   (decode_profile: bench/decode_profile.py alone, single-pass attention)
@@ -146,6 +149,12 @@ for s in $sections; do
         v4attn_tests) run tests_v4attn 560 python3 -m pytest -q -p no:cacheprovider -s \
                           tests/gpu/test_v4_attention_gpu.py ;;
         v4attn_bench) run v4_attention 560 python3 -m bench.v4_attention --out "$OUT" ;;
+        # the HCA and sliding-only layers' rates (the planner costs every layer at the CSA rate)
+        v4attn_layers) for layer in hca sliding; do
+                           run v4_attention_$layer 240 python3 -m bench.v4_attention \
+                               --layer $layer --impl triton --core --tokens 4096 8192 18432 \
+                               --out "$OUT/$layer"
+                       done ;;
         r3) run routing_replay 240 python3 -m bench.routing_replay --out "$OUT" ;;
         tests_colocated) run tests_colocated 240 python3 -m pytest -q -p no:cacheprovider \
                              tests/gpu/test_colocated_gpu.py ;;
