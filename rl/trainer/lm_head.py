@@ -13,8 +13,9 @@ runs), l = float(z) / temperature, and per row the logsumexp, the target's log-p
 l[target] - logsumexp(l) and, when asked, the entropy logsumexp(l) - E_p[l] (p = softmax(l)). Only
 the per-row numbers are kept (fp32), with references to `hidden` and the weight.
 
-Backward, vocabulary slice by vocabulary slice (`cols = chunk_rows x V / N` columns, so a slice
-never holds more logits than a forward chunk): recompute l for the slice, then
+Backward, vocabulary slice by vocabulary slice (`slice_columns`: chunk_rows x V / N columns, so a
+slice holds no more logits than a forward chunk; on CUDA rounded down to a multiple of 128, so
+that its rows stay 16-byte aligned for the tensor-core GEMMs): recompute l for the slice, then
 dL/dl = g_logp (onehot - p) - g_ent p (l - E_p[l]), divided by the temperature and rounded to the
 model dtype (as autograd rounds the logits' gradient). Each slice of the weight's gradient is one
 GEMM over all N rows (`dL/dz^T hidden`, fp32 accumulation inside the GEMM, written in the weight's
@@ -80,6 +81,23 @@ def _accumulate(acc: Tensor, a: Tensor, b: Tensor) -> None:
     acc.addmm_(a.float(), b.float())
 
 
+SLICE_ALIGN = 128
+"""On CUDA, backward vocabulary slices are a multiple of this many columns (but the last)."""
+
+
+def slice_columns(rows: int, vocab: int, chunk_rows: int, align: int = 1) -> int:
+    """Columns of each backward vocabulary slice: `chunk_rows` x `vocab` / `rows` (the logits of
+    a forward chunk), rounded down to a multiple of `align` (at least `align`), at most `vocab`.
+    CUDA passes SLICE_ALIGN: a slice of logits `(rows, cols)` with cols not a multiple of 8 has
+    rows off the 16-byte alignment bf16 tensor-core GEMMs need; at V4-Flash's 18,432 tokens and
+    1,024 chunk rows (7,182 columns) the chunked head ran at 1.64x the full-logits time on an
+    H100, where 8,192 tokens (8,080 columns) ran at 0.96x (bench/results/lm_head.md). A slice
+    then exceeds a forward chunk's logits only beyond chunk_rows x vocab / 128 rows (a million
+    at V4's vocabulary and 1,024 chunk rows)."""
+    cols = chunk_rows * vocab // max(rows, 1)
+    return max(1, min(vocab, max(align, cols // align * align)))
+
+
 def _logit_grad(hidden: Tensor, weight_slice: Tensor, col0: int, targets: Tensor, lse: Tensor,
                 mean_l: Tensor, g_logp: Tensor | None, g_ent: Tensor | None,
                 temperature: float) -> Tensor:
@@ -135,7 +153,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if (g_logp is None and g_ent is None) or not (need_h or need_w):
             return None, None, None, None, None, None
         n, vocab = hidden.shape[0], weight.shape[0]
-        cols = max(1, min(vocab, ctx.chunk_rows * vocab // max(n, 1)))
+        cols = slice_columns(n, vocab, ctx.chunk_rows, SLICE_ALIGN if hidden.is_cuda else 1)
         grad_w = torch.empty_like(weight) if need_w else None
         grad_h = None
         acc = (torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)

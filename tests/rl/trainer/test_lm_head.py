@@ -288,3 +288,19 @@ def test_no_tensor_holds_more_than_one_chunk_of_logits(dtype):
         torch.autograd.backward([logp, ent], [grad_logp, grad_ent])
     assert full.largest >= T * V * hidden.element_size()
     assert full.peak > 4 * chunked.peak
+
+
+def test_backward_slices_on_cuda_keep_tensor_core_alignment():
+    """`slice_columns`: a forward chunk's worth of logits per backward slice; with CUDA's
+    alignment a multiple of 128 columns (V4-Flash at 18,432 tokens: 7,182 -> 7,168)."""
+    from rl.trainer.lm_head import SLICE_ALIGN, slice_columns
+    assert slice_columns(18432, 129280, 1024) == 7182  # the CPU rule: exactly a chunk's logits
+    assert slice_columns(18432, 129280, 1024, SLICE_ALIGN) == 7168
+    assert slice_columns(8192, 129280, 1024, SLICE_ALIGN) == 16128
+    assert slice_columns(18432, 129280, 512, SLICE_ALIGN) == 3584
+    assert slice_columns(512, 96, 8) == 1 and slice_columns(512, 96, 8, SLICE_ALIGN) == 96
+    assert slice_columns(4, 129280, 1024, SLICE_ALIGN) == 129280  # one slice: nn.Linear's GEMM
+    for rows in (1, 777, 18432, 10 ** 6, 10 ** 7):
+        cols = slice_columns(rows, 129280, 1024, SLICE_ALIGN)
+        assert cols % SLICE_ALIGN == 0 or cols == 129280
+        assert cols * rows <= 1024 * 129280 or cols == SLICE_ALIGN
