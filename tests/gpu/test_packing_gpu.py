@@ -90,11 +90,12 @@ def test_packed_qwen3_matches_padded_on_cuda():
 
 def test_packed_v4_matches_padded_on_cuda(tmp_path_factory):
     """The tiny DeepSeek-V4 as the trainer loads it for a GPU (Triton V4 attention, the fused
-    layer): packed rows run the attention row by row. Rows of 40-300 tokens span CSA windows,
-    top-k picks, HCA windows of 128 and the sliding window."""
+    layer): packed rows run the attention row by row. Rows of 3-300 tokens span CSA windows
+    (and rows too short for one), top-k picks, HCA windows of 128 and the sliding window."""
     from rl.config import ModelConfig
     from rl.models.loading import load_model, resolve_model_dir
     d = resolve_model_dir(ModelConfig(preset="tiny-deepseek-v4"),
                           tmp_path_factory.mktemp("models"))
     _assert_packed_as_close_as_padded(lambda dtype: load_model(d, dtype, device="cuda"),
-                                      _batch([(20, 280), (30, 10), (100, 40), (8, 200)], 100))
+                                      _batch([(20, 280), (1, 1), (30, 10), (2, 1), (100, 40),
+                                              (1, 4), (8, 200)], 100))

@@ -36,9 +36,10 @@ def test_pack_lays_rows_end_to_end_in_one_sequence():
 
 
 def _rows(long: bool = False, seed: int = 0):
-    """Rows of 11-25 tokens, or (`long`) 40-300 tokens."""
+    """Rows of 11-25 tokens, or (`long`) 40-300 tokens and three of 3-6 (no compressed
+    entry yet)."""
     g = torch.Generator().manual_seed(seed)
-    sizes = ([(20, 280), (30, 10), (100, 40), (8, 200)] if long
+    sizes = ([(20, 280), (1, 1), (30, 10), (2, 1), (100, 40), (1, 4), (8, 200)] if long
              else [(3, 7), (9, 1), (5, 12), (20, 4)])
     return pad_batch([[1] + torch.randint(3, 100, (p,), generator=g).tolist() for p, _ in sizes],
                      [torch.randint(3, 100, (r,), generator=g).tolist() for _, r in sizes])
@@ -68,8 +69,8 @@ def test_packed_forward_and_backward_equal_the_padded_ones(tmp_path_factory, pre
     fp32: the padded path's values; BF16: no further from the fp32 padded path than the BF16
     padded path is, since both round differently;
     DeepSeek-V4: its compressor windows, indexer and sliding window row by row; the tiny V4 gets
-    rows of 40-300 tokens, which span its CSA windows of 4, top-4 picks, HCA windows of 128 and
-    its sliding window of 16)."""
+    rows of 3-300 tokens, which span its CSA windows of 4 (and rows too short for one), top-4
+    picks, HCA windows of 128 and its sliding window of 16)."""
     from rl.config import ModelConfig
     from rl.models.loading import load_model, resolve_model_dir
     from rl.trainer.packing import install
