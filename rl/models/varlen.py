@@ -16,6 +16,7 @@ own attention (`rl.models.v4_attention`) reads the same keyword arguments.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -34,8 +35,10 @@ def row_bounds(cu_seq_lens: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(cu[:-1], cu[1:]))
 
 
+@functools.cache
 def _varlen_kernel():
-    """torch's varlen attention and the names of its keyword arguments, or None."""
+    """torch's varlen attention and the names of its keyword arguments, or None (looked up
+    once, not at every layer's call)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
