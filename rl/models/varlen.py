@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +30,26 @@ IMPLEMENTATION = "rl_varlen"
 """The `attn_implementation` name registered with transformers."""
 
 
+_BOUNDS = "_rl_row_bounds"
+
+
 def row_bounds(cu_seq_lens: torch.Tensor) -> list[tuple[int, int]]:
-    """[(start, end)] of each row from cumulative lengths (0, n_0, n_0 + n_1, ...)."""
-    cu = cu_seq_lens.tolist()
-    return list(zip(cu[:-1], cu[1:]))
+    """[(start, end)] of each row from cumulative lengths (0, n_0, n_0 + n_1, ...). Read from
+    the device once per tensor: the host copy is kept on it (`with_bounds` sets it at packing
+    time), so the layers of one forward do not each wait on the GPU."""
+    bounds = getattr(cu_seq_lens, _BOUNDS, None)
+    if bounds is None:
+        cu = cu_seq_lens.tolist()
+        bounds = list(zip(cu[:-1], cu[1:]))
+        setattr(cu_seq_lens, _BOUNDS, bounds)
+    return bounds
+
+
+def with_bounds(cu_seq_lens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """`cu_seq_lens` carrying its rows' bounds, computed on the host from `lengths`."""
+    ends = list(itertools.accumulate(lengths, initial=0))
+    setattr(cu_seq_lens, _BOUNDS, list(zip(ends[:-1], ends[1:])))
+    return cu_seq_lens
 
 
 @functools.cache

@@ -54,6 +54,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
          device: torch.device | str | None = None) -> Packed:
     """The packed form of right-padded `input_ids` (B, L) with `attention_mask` (B, L), built
     on the host (the micro-batches live there) and put on `device` (default: the inputs')."""
+    from rl.models import varlen
     dev = input_ids.device if device is None else device
     input_ids, attention_mask = input_ids.cpu(), attention_mask.cpu()
     B, L = input_ids.shape
@@ -69,7 +70,8 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     cols = torch.cat([torch.arange(n - 1) for n in lengths])
     at = torch.cat([torch.arange(int(cu[i]), int(cu[i]) + n - 1) for i, n in enumerate(lengths)])
     return Packed(input_ids=ids.to(dev), position_ids=pos.to(dev),
-                  cu_seq_lens=cu.to(device=dev, dtype=torch.int32), max_length=max(lengths),
+                  cu_seq_lens=varlen.with_bounds(cu.to(device=dev, dtype=torch.int32), lengths),
+                  max_length=max(lengths),
                   targets=ids[:, 1:].to(dev), rows=rows.to(dev), cols=cols.to(dev),
                   at=at.to(dev), shape=(B, L - 1))
 

@@ -35,6 +35,21 @@ def test_pack_lays_rows_end_to_end_in_one_sequence():
     assert values.grad.tolist() == [[1, 1, 1, 1, 0, 1, 0, 1, 1]]  # across a row's end: unused
 
 
+def test_row_bounds_come_from_the_host_at_packing_time(monkeypatch):
+    """Every attention layer asks for the rows' bounds: a packed batch carries them from the
+    host, so no layer reads the (GPU) cumulative lengths back."""
+    from rl.models import varlen
+    mb = pad_batch([[1, 5], [1], [1, 4]], [[6, 7, 8], [9], [3]])
+    p = pack(mb.input_ids, mb.attention_mask)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("read back"))
+    assert varlen.row_bounds(p.cu_seq_lens) == [(0, 5), (5, 7), (7, 10)]
+    monkeypatch.undo()
+    cu = torch.tensor([0, 3, 4], dtype=torch.int32)  # not packed here: read once, then kept
+    assert varlen.row_bounds(cu) == [(0, 3), (3, 4)]
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("read twice"))
+    assert varlen.row_bounds(cu) == [(0, 3), (3, 4)]
+
+
 def _rows(long: bool = False, seed: int = 0):
     """Rows of 11-25 tokens, or (`long`) 40-300 tokens and three of 3-6 (no compressed
     entry yet)."""
