@@ -110,7 +110,7 @@ for s in $sections; do
         tests_v4layer) run tests_v4layer 360 python3 -m pytest -q -p no:cacheprovider -s \
                            tests/gpu/test_v4_layer_gpu.py ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
-        tests_packing) run tests_packing 120 python3 -m pytest -q -p no:cacheprovider \
+        tests_packing) run tests_packing 120 python3 -m pytest -q -p no:cacheprovider -s \
                            tests/gpu/test_packing_gpu.py ;;
         packing) run tests_packing 120 python3 -m pytest -q -p no:cacheprovider \
                      tests/gpu/test_packing_gpu.py
