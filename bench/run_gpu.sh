@@ -110,9 +110,9 @@ for s in $sections; do
         tests_v4layer) run tests_v4layer 360 python3 -m pytest -q -p no:cacheprovider -s \
                            tests/gpu/test_v4_layer_gpu.py ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
-        tests_packing) run tests_packing 120 python3 -m pytest -q -p no:cacheprovider -s \
+        tests_packing) run tests_packing 200 python3 -m pytest -q -p no:cacheprovider -s \
                            tests/gpu/test_packing_gpu.py ;;
-        packing) run tests_packing 120 python3 -m pytest -q -p no:cacheprovider \
+        packing) run tests_packing 200 python3 -m pytest -q -p no:cacheprovider \
                      tests/gpu/test_packing_gpu.py
                  run packing 420 python3 -m bench.packing --out "$OUT" ${PACKING_ARGS:-} ;;
         lmhead) run tests_lm_head 120 python3 -m pytest -q -p no:cacheprovider \
@@ -140,6 +140,8 @@ for s in $sections; do
                      --attention single,split --hf-max-new 0 --out "$OUT/decode_attention" ;;
         v4_learn) run tests_v4 240 python3 -m pytest -q -p no:cacheprovider \
                       tests/gpu/test_v4_bf16_gpu.py tests/gpu/test_v4_attention_gpu.py
+                  ;&
+        v4_learn_only)
                   # math-verify is not installed there: the exact reward, the same verdict on
                   # this task's integer answers
                   run gpu_learn_v4 480 python3 -m bench.async_rl --config configs/local_v4.yaml \
