@@ -4,9 +4,9 @@ Each component is bytes or FLOPs over a rate (units: seconds, bytes, FLOP, GB/s 
 
 - trainer compute: tokens x active matmul parameters x (2 old-log-prob forward + per epoch 6
   forward/backward + 2 recompute with activation checkpointing) / (matmul rate x mfu),
-  plus causal attention FLOPs; DeepSeek-V4 attention at the rate measured for
-  rl.models.v4_attention (bench/results/v4_attention.json), not by FLOPs (that kernel runs far
-  from the matmul peak);
+  plus causal attention FLOPs; DeepSeek-V4 attention at the rates measured for
+  rl.models.v4_attention per layer kind (bench/results/v4_attention_h100*.json: CSA, HCA,
+  sliding-only), not by FLOPs (that kernel runs far from the matmul peak);
 - trainer collectives per rank: ZeRO-3 all-gathers (old-log-prob forward, forward, recompute,
   backward) and the gradient reduce-scatter per micro-batch; ZeRO-1/2 gradient reduction per
   micro-batch plus a parameter all-gather per optimizer step; expert parallelism's all-to-all
@@ -47,23 +47,29 @@ class Device:
     hbm_gbps: float
     intra_node_gbps: float
     inter_node_gbps: float
-    v4_attention_us_per_token: float | None
-    """One V4 CSA attention layer (projections included), forward + backward, microseconds per
-    token at 18,432 tokens (V4-Flash's micro-batch); None: not measured on this device (scaled
-    from H200 by matmul rate)."""
+    v4_attention_us_per_token: dict[str, float] | None
+    """One V4 attention layer of each kind (`compressed_sparse_attention`,
+    `heavily_compressed_attention`, `sliding_attention`; projections included), forward +
+    backward, microseconds per token at 18,432 tokens (V4-Flash's micro-batch); None: not
+    measured on this device (scaled from H200 by matmul rate)."""
     source: str
 
 
 # H200: measured on 2 x H200 (NVLink) in bench/results (train.json bf16 peak 791, rollout.json
-# copy 4,144 GB/s, weight_sync.json flat NCCL broadcast 368 GB/s); the V4 attention rate is
-# v4_attention_h100.json's CSA layer with the Triton forward and backward, 260.8 ms at 18,432
-# tokens on an H100 (the H200's compute; the kernel is bound by compute and latency, not HBM);
+# copy 4,144 GB/s, weight_sync.json flat NCCL broadcast 368 GB/s); the V4 attention rates are
+# one layer with the Triton forward and backward at 18,432 tokens on an H100 (the H200's
+# compute; the kernel is bound by compute and latency, not HBM): CSA 260.8 ms
+# (v4_attention_h100.json), HCA 92.9 ms (v4_attention_h100_hca.json), sliding-only 80.7 ms
+# (v4_attention_h100_sliding.json);
 # IB is the DGX H200 datasheet's one 400 Gb/s ConnectX-7 per GPU.
 # MI300X: AMD datasheet (1,307 TFLOP/s dense BF16, 5.3 TB/s HBM3, 7 x 64 GB/s Infinity Fabric
 # links per GPU = 448 GB/s), 400 Gb/s NIC per GPU; nothing measured here.
 DEVICES = {
-    "h200": Device("h200", 791.0, 4144.0, 368.0, 50.0, 260.8e3 / 18432,
-                   "measured in bench/results (train, rollout, weight_sync, v4_attention_h100); "
+    "h200": Device("h200", 791.0, 4144.0, 368.0, 50.0,
+                   {"compressed_sparse_attention": 260.8e3 / 18432,
+                    "heavily_compressed_attention": 92.9e3 / 18432,
+                    "sliding_attention": 80.7e3 / 18432},
+                   "measured in bench/results (train, rollout, weight_sync, v4_attention_h100*); "
                    "inter-node: DGX H200 datasheet"),
     "mi300x": Device("mi300x", 1307.0, 5300.0, 448.0, 50.0, None,
                      "AMD MI300X datasheet peaks, not measured; 400 Gb/s NIC per GPU"),
@@ -111,6 +117,18 @@ def matmul_params(arch: Arch) -> float:
     return arch.active_params + tied
 
 
+def v4_attention_us_per_token(arch: Arch, dev: Device) -> float:
+    """Microseconds per token of one forward + backward through all of V4's attention layers,
+    each at its kind's measured rate (a device without rates: the H200's, scaled by matmul
+    rate)."""
+    rates, scale = dev.v4_attention_us_per_token, 1.0
+    if rates is None:
+        rates = DEVICES["h200"].v4_attention_us_per_token
+        scale = DEVICES["h200"].matmul_tflops / dev.matmul_tflops
+    assert rates is not None
+    return sum(rates[kind] for kind in arch.layer_types) * scale
+
+
 def trainer_compute_s(arch: Arch, tokens: float, seq: int, epochs: int, checkpointing: bool,
                       dev: Device, mfu: float) -> dict[str, float]:
     """Seconds of one rank's compute for `tokens` tokens of sequences of `seq` tokens.
@@ -120,12 +138,8 @@ def trainer_compute_s(arch: Arch, tokens: float, seq: int, epochs: int, checkpoi
     attn_fwd = attention_flops_per_token(arch, seq)
     attn = tokens * attn_fwd * (passes / 2) / (dev.matmul_tflops * 1e12 * mfu)
     if arch.model_type in EAGER_ONLY:  # measured rate: forward + backward = 3 forwards
-        rate = dev.v4_attention_us_per_token
-        if rate is None:
-            rate = DEVICES["h200"].v4_attention_us_per_token * (  # type: ignore[operator]  # lint baseline (issue 39)
-                DEVICES["h200"].matmul_tflops / dev.matmul_tflops)
         fwd_bwd_units = (1 + epochs * (3 + (1 if checkpointing else 0))) / 3
-        attn = tokens * arch.num_layers * rate * 1e-6 * fwd_bwd_units
+        attn = tokens * v4_attention_us_per_token(arch, dev) * 1e-6 * fwd_bwd_units
     return {"matmul": matmul, "attention": attn}
 
 
