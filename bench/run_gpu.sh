@@ -153,6 +153,12 @@ for s in $sections; do
         v4attn_tests) run tests_v4attn 560 python3 -m pytest -q -p no:cacheprovider -s \
                           tests/gpu/test_v4_attention_gpu.py ;;
         v4attn_bench) run v4_attention 560 python3 -m bench.v4_attention --out "$OUT" ;;
+        # the CSA layer with the Triton indexer against its torch scores, and its tests
+        v4attn_csa) run tests_v4attn 300 python3 -m pytest -q -p no:cacheprovider -s \
+                        tests/gpu/test_v4_attention_gpu.py
+                    run v4_attention_csa 300 python3 -m bench.v4_attention --layer csa \
+                        --impl triton triton_torch_indexer --core triton \
+                        --tokens 4096 8192 18432 --out "$OUT/csa" ;;
         # the HCA and sliding-only layers' rates (the planner costs every layer at the CSA rate)
         v4attn_layers) for layer in hca sliding; do
                            run v4_attention_$layer 240 python3 -m bench.v4_attention \

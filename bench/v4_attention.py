@@ -21,7 +21,8 @@ The core rows feed the op random inputs of the layer's shapes (CSA: distinct ran
 picks; HCA: every visible entry); `fwd_seconds` is its forward alone.
 
 Run: python -m bench.v4_attention [--tokens 4096 8192 16384 18432] [--layer csa|hca|sliding]
-     [--impl eager triton triton_torch_bwd torch] [--core triton triton_torch_bwd]
+     [--impl eager triton triton_torch_bwd torch triton_torch_indexer]
+     [--core triton triton_torch_bwd]
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ LAYERS = {"sliding": 0, "csa": 1, "hca": 2}
 IMPLS = {"triton": ("triton", "triton"), "triton_torch_bwd": ("triton", "torch"),
          "torch": ("torch", "triton")}
 """impl -> (kernel.FORCE, kernel.BACKWARD); eager is transformers' attention."""
+LAYER_IMPLS = [*IMPLS, "triton_torch_indexer"]
+"""Layer rows also compare the Triton path with the indexer scored in torch (RL_V4_INDEXER)."""
 
 
 def v4_config(**fields):
@@ -83,7 +86,7 @@ def run_layer(attn, rotary, hidden, impl: str):
     from transformers.masking_utils import create_sliding_window_causal_mask
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
 
-    from rl.models.v4_attention import kernel
+    from rl.models.v4_attention import compress, kernel
     from rl.models.v4_attention.module import LinearV4Attention
     seq = hidden.shape[1]
     pos = torch.arange(seq, device=hidden.device).unsqueeze(0)
@@ -96,7 +99,8 @@ def run_layer(attn, rotary, hidden, impl: str):
                                                  position_ids=pos)
     else:
         attn.__class__ = LinearV4Attention
-        kernel.FORCE, kernel.BACKWARD = IMPLS[impl]
+        kernel.FORCE, kernel.BACKWARD = IMPLS.get(impl, IMPLS["triton"])
+        compress.INDEXER = "torch" if impl == "triton_torch_indexer" else ""
         mask = None
     return attn(hidden, emb, pos, mask)[0]
 
@@ -247,6 +251,12 @@ def _backward_targets(get: dict) -> list[str]:
                          f"forward + backward at 18,432 tokens: {met} ({new['seconds'] * 1e3:.1f}"
                          f" vs {old['seconds'] * 1e3:.1f} ms, "
                          f"{old['seconds'] / new['seconds']:.2f}x)")
+    new, old = get.get(("layer", 18432, "triton")), get.get(("layer", 18432, "triton_torch_indexer"))
+    if new and old and "ok" == new["result"] == old["result"]:
+        met = "MET" if new["seconds"] < old["seconds"] else "NOT MET"
+        notes.append(f"target Triton indexer faster than its torch scores, layer forward + "
+                     f"backward at 18,432 tokens: {met} ({new['seconds'] * 1e3:.1f} vs "
+                     f"{old['seconds'] * 1e3:.1f} ms, {old['seconds'] / new['seconds']:.2f}x)")
     core = get.get(("core", 18432, "triton"))
     if core and core["result"] == "ok":
         met = "MET" if core["of_limit"] >= 0.35 else "NOT MET"
@@ -261,8 +271,8 @@ def _backward_targets(get: dict) -> list[str]:
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], lambda p: (
         p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 18432]),
-        p.add_argument("--impl", nargs="+", default=["eager", *IMPLS],
-                       choices=["eager", *IMPLS]),
+        p.add_argument("--impl", nargs="+", default=["eager", *LAYER_IMPLS],
+                       choices=["eager", *LAYER_IMPLS]),
         p.add_argument("--core", nargs="*", default=["triton", "triton_torch_bwd"],
                        choices=list(IMPLS)),
         p.add_argument("--layer", default="csa", choices=sorted(LAYERS)),
@@ -319,7 +329,10 @@ def _notes(args, params: int, peak: float) -> list[str]:
             "allocated before (weights, gradients, input)",
             "layer rows: triton = rl.models.v4_attention on GPU as the trainer runs it (Triton "
             "forward, Triton backward); triton_torch_bwd = the same with RL_V4_ATTENTION_BWD="
-            "torch (backward recomputing each query block in torch); torch = its chunked CPU "
+            "torch (backward recomputing each query block in torch); triton_torch_indexer = "
+            "triton with the CSA indexer's scores in torch (RL_V4_INDEXER=torch: per-head "
+            "scores materialised a query block at a time), where triton scores them in one "
+            "Triton pass (rl.models.v4_attention.triton_indexer); torch = its chunked CPU "
             "path run on the GPU; eager = transformers' attention",
             "core rows: the attention op alone (kernel.attention: sliding window + compressed "
             "entries + sink) on random inputs of the layer's shapes; fwd_seconds its forward "

@@ -68,3 +68,49 @@ def test_triton_backward_matches_chunked(mode, dtype, report):
     bound = 2e-2 if dtype == "bfloat16" else 1e-2
     for impl, errs in errors.items():
         assert max(errs.values()) < bound, (impl, errs)
+
+
+def test_triton_indexer_matches_torch_at_flash_dims(report):
+    """The CSA indexer's Triton scores (`triton_indexer`, the GPU default) against the torch
+    per-head scores: the scores on random BF16 inputs of Flash's indexer dims, and the top-512
+    picks of a Flash CSA layer's indexer over 8,192 tokens."""
+    from rl.models.v4_attention import compress, kernel
+    from rl.models.v4_attention.triton_indexer import index_scores
+    kernel.FORCE = ""  # by device: Triton on CUDA (run_layer may have left another choice)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    S, H, D, T = 1024, 64, 128, 2048
+    q = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(1, S, H, device="cuda", generator=g) * 0.1
+    thr = ((torch.arange(S, device="cuda") * 2 + 1)).unsqueeze(0)  # rows see 1 .. 2,047
+    got = index_scores(q, k, w, thr)
+    want = torch.relu(torch.einsum("bshd,btd->bsht", q.float(), k.float()))
+    want = (want * w.unsqueeze(-1)).sum(2).masked_fill(
+        torch.arange(T, device="cuda") >= thr.unsqueeze(-1), float("-inf"))
+    assert torch.equal(got.isinf(), want.isinf())
+    seen = ~want.isinf()
+    err = ((got[seen] - want[seen]).abs().max() / want[seen].abs().max()).item()
+    attn, _ = build_layer(v4_config(), "csa", "cuda")
+    indexer = attn.compressor.indexer
+    hidden = torch.randn(1, 8192, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    residual = torch.randn(1, 8192, indexer.q_b_proj.in_features, device="cuda",
+                           dtype=torch.bfloat16, generator=g)
+    pos = torch.arange(8192, device="cuda").unsqueeze(0)
+    picks = {}
+    for mode in ("torch", ""):
+        compress.INDEXER = mode
+        picks[mode or "triton"] = compress.indexer_topk(indexer, hidden, residual, pos)
+    compress.INDEXER = ""
+    a, b = picks["torch"], picks["triton"]
+    assert torch.equal((a < 0).sum(-1), (b < 0).sum(-1))
+    T = int(a.max()) + 2
+
+    def chosen(p):
+        m = torch.zeros(p.shape[1], T, dtype=torch.bool, device="cuda")
+        return m.scatter_(1, torch.where(p[0] < 0, T - 1, p[0]), True)[:, :T - 1]
+    ma, mb = chosen(a), chosen(b)
+    overlap = ((ma & mb).sum() / ma.sum()).item()
+    report("v4_indexer_triton", score_rel_err=err, picks_overlap=overlap)
+    assert err < 1e-5, err
+    # the same picks but where two scores tie to fp32 rounding at the 512th place
+    assert overlap > 0.999, overlap

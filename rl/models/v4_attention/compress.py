@@ -6,14 +6,23 @@ V4-Flash dims and 18,432 tokens that is ~22 GB per intermediate. Here the compre
 computed the same way (the no-cache, whole-sequence case: training and scoring) and the indexer
 scores one query block at a time, keeping only its (B, S, index_topk) picks. The indexer gets
 no gradient in eager either (its output is a top-k index), so its scoring runs under no_grad.
+On a CUDA device the scores come from one Triton pass (`triton_indexer`) that never holds the
+per-head scores.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
 INDEXER_BLOCK = 512
 """Queries scored per indexer block: (block x index_heads x T) fp32 at a time."""
+INDEXER = os.environ.get("RL_V4_INDEXER", "")
+""""torch" scores the indexer in torch where the attention runs in Triton (benchmarks compare
+them); unset, it follows the attention (`kernel._use_triton`)."""
+TRITON_INDEXER_BLOCK = 4096
+"""Queries per block on the Triton path, which holds only their (block x T) fp32 scores."""
 
 
 def _overlap_windows(chunk_kv: torch.Tensor, chunk_gate: torch.Tensor, head_dim: int):
@@ -63,8 +72,15 @@ def indexer_topk(indexer, hidden_states: torch.Tensor, q_residual: torch.Tensor,
     Same arithmetic as `DeepseekV4Indexer.forward` + `DeepseekV4IndexerScorer.forward` without
     a cache, one block of `block` queries at a time.
     """
+    from rl.models.v4_attention.kernel import _use_triton
     batch, seq_len, _ = hidden_states.shape
-    keys = compressed_entries(indexer, hidden_states, overlap=True).float()  # (B, T, d)
+    keys = compressed_entries(indexer, hidden_states, overlap=True)  # (B, T, d)
+    fused = _use_triton(keys) and INDEXER != "torch"
+    if fused:
+        from rl.models.v4_attention.triton_indexer import index_scores
+        block = max(block, TRITON_INDEXER_BLOCK)
+    else:
+        keys = keys.float()
     num_entries = keys.shape[1]
     top_k = min(indexer.index_topk, num_entries)
     if num_entries == 0:
@@ -81,12 +97,15 @@ def indexer_topk(indexer, hidden_states: torch.Tensor, q_residual: torch.Tensor,
         q = indexer.q_b_proj(q_residual[:, s0:s1])
         q = q.view(batch, s1 - s0, -1, indexer.head_dim).transpose(1, 2)
         q = apply_rotary_pos_emb(q, cos_q[:, s0:s1], sin_q[:, s0:s1]).transpose(1, 2)
-        scores = torch.matmul(q.float(), keys.transpose(-1, -2).unsqueeze(1))  # (B, s, H, T)
-        scores = torch.relu(scores) * scorer.softmax_scale
         weights = scorer.weights_proj(hidden_states[:, s0:s1]).float() * scorer.weights_scaling
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # (B, s, T)
         thr = threshold[:, s0:s1].unsqueeze(-1)
-        scores = scores.masked_fill(entry.view(1, 1, -1) >= thr, float("-inf"))
+        if fused:
+            scores = index_scores(q, keys, weights * scorer.softmax_scale, thr[..., 0])
+        else:
+            scores = torch.matmul(q.float(), keys.transpose(-1, -2).unsqueeze(1))  # (B, s, H, T)
+            scores = torch.relu(scores) * scorer.softmax_scale
+            scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # (B, s, T)
+            scores = scores.masked_fill(entry.view(1, 1, -1) >= thr, float("-inf"))
         picks = scores.topk(top_k, dim=-1).indices
         out.append(torch.where(picks >= thr, torch.full_like(picks, -1), picks))
     return torch.cat(out, dim=1)

@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[3]
 
 @pytest.fixture(scope="module")
 def eager_model():
+    return _eager_v4()
+
+
+def _eager_v4():
     # Small dims so the test is fast; one layer of each kind, windows that several query blocks
     # cross (block 16 < S), an HCA rate with several entries, padding in the second row.
     config_cls, _ = transformers_classes("deepseek_v4")
@@ -121,7 +125,7 @@ def _interpreted(call: str) -> list[str]:
     # before anything imports triton. Backward tiles of DV=16 < head_dim 32: the split is tested.
     env = {**os.environ, "TRITON_INTERPRET": "1", "RL_V4_ATTENTION_BWD_TILES": "16,16,4,1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    code = f"from tests.rl.models.test_v4_attention import triton_case; {call}"
+    code = f"from tests.rl.models.test_v4_attention import indexer_case, triton_case; {call}"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, timeout=900,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -172,3 +176,51 @@ def triton_case(dtype_name: str):
         print(mode)
     (tiles,) = triton_bwd.TUNED.values()  # the Triton backward ran, with the pinned tiles
     print(",".join(map(str, tiles)))
+
+
+def indexer_case(dtype_name: str):
+    """The Triton indexer scores (`triton_indexer`) against the per-head torch scores, and
+    `indexer_topk` through it against its torch path on the eager fixture's CSA layer."""
+    from rl.models.v4_attention import compress, kernel
+    from rl.models.v4_attention.triton_indexer import index_scores
+
+    dtype = getattr(torch, dtype_name)
+    if dtype == torch.bfloat16:
+        _bf16_dots_in_interpreter()
+    g = torch.Generator().manual_seed(0)
+    B, S, H, D, T = 2, 600, 4, 32, 150  # 64-row blocks: rows 0-63 see < 17 entries, so the
+    # entry tiles 1 and 2 of the first block are skipped (written -inf, nothing summed)
+    q = torch.randn(B, S, H, D, generator=g).to(dtype)
+    k = torch.randn(B, T, D, generator=g).to(dtype)
+    w = torch.randn(B, S, H, generator=g)
+    thr = ((torch.arange(S) + 1) // 4).expand(B, -1).clone()
+    thr[1, 300:] = 0  # a row that sees nothing: all -inf
+    got = index_scores(q, k, w, thr)
+    want = torch.relu(torch.einsum("bshd,btd->bsht", q.float(), k.float()))
+    want = (want * w.unsqueeze(-1)).sum(2)
+    want = want.masked_fill(torch.arange(T).view(1, 1, -1) >= thr.unsqueeze(-1), float("-inf"))
+    assert torch.equal(got.isinf(), want.isinf())
+    seen = ~want.isinf()
+    torch.testing.assert_close(got[seen], want[seen], rtol=1e-5, atol=1e-4)
+    # the whole indexer: the same picks as its torch path (in any order)
+    model = _eager_v4()
+    layer = model.model.layers[1].self_attn
+    indexer = layer.compressor.indexer
+    x = torch.randn(2, 37, 32, generator=g).to(dtype)
+    residual = torch.randn(2, 37, indexer.q_b_proj.in_features, generator=g).to(dtype)
+    pos = torch.arange(37).unsqueeze(0)
+    indexer.to(dtype)
+    picks = {}
+    for force in ("torch", "triton"):
+        kernel.FORCE = force
+        picks[force] = compress.indexer_topk(indexer, x, residual, pos, block=16)
+    kernel.FORCE = ""
+    a, b = picks["torch"].sort(-1).values, picks["triton"].sort(-1).values
+    assert (a >= 0).any() and (a < 0).any()
+    assert torch.equal(a, b), (a != b).nonzero()
+    print("indexer", dtype_name)
+
+
+def test_triton_indexer_matches_torch():
+    assert _interpreted("indexer_case('float32'); indexer_case('bfloat16')") == [
+        "indexer", "float32", "indexer", "bfloat16"]
