@@ -2,6 +2,8 @@
 environment, and polling."""
 from __future__ import annotations
 
+import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -24,3 +26,22 @@ def read_env_file(path: Path) -> dict[str, str]:
             key, value = line[len("export "):].split("=", 1)
             env[key] = value
     return env
+
+
+def kick_backfill_while_pending(job_id: str, stop: threading.Event, poll_s: float = 1.0) -> None:
+    """Until `stop` is set: every `poll_s`, while job `job_id` (a component of it) is PENDING,
+    touch a partition (`scontrol update PartitionName=batch State=UP`, which it already is), so
+    that slurmctld's backfill scheduler runs again within a second.
+
+    Only backfill starts a heterogeneous job, and Slurm 22.05's backfill runs only after some
+    job, node, partition or reservation changed since its last pass. A requeued job may start
+    again `cred_expire` + 1 s after the requeue: that moment changes nothing, so on this idle
+    cluster the job waited for the next node ping to change something (20-40 s a requeue). On a
+    real cluster something always changes. What the job does and which job Slurm starts are the
+    same with or without this."""
+    while not stop.wait(poll_s):
+        states = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True,
+                                text=True).stdout.split()
+        if "PENDING" in states:
+            subprocess.run(["scontrol", "update", "PartitionName=batch", "State=UP"],
+                           capture_output=True)
