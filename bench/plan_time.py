@@ -12,9 +12,9 @@ measurement (role `fit`) and checked on others (role `check`):
 - plan.decode_step_overhead_ms on rollout.json's native BF16 Qwen3-0.6B batch 64 x 1,024 row,
   checked on the other native rows (FP8 / BF16 weights, BF16 / FP8 KV cache, batch 64 and 256,
   128 and 1,024 new tokens) and routing_replay.json's MoE generate call;
-- the H200 preset's V4 attention rate is v4_attention_h100.json (the Triton forward and
-  backward, measured on an H100: the H200's compute) at 18,432 tokens, checked at 4,096, 8,192
-  and 16,384 (linear in tokens).
+- the H200 preset's V4 attention rates, one per layer kind, are v4_attention_h100_csa.json,
+  _hca.json and _sliding.json (the Triton path, measured on an H100: the H200's compute) at
+  18,432 tokens, checked at 4,096 and 8,192 (linear in tokens).
 
 bench/results/moe_actor.json, when present (2 x H200, V4-shaped, ZeRO-3 with and without EP=2),
 adds check rows for the bytes each rank's collectives move (counted from the model and the
@@ -69,20 +69,17 @@ MISSES = {
     "rollout Qwen3-MoE-small native fp8 b64 n128 (routing_replay run)": "the per-step cost is "
     "fitted on a dense model's decode; the MoE engine's step (router, top-8 grouped expert "
     "GEMMs) costs more: 0.77 with plan.decode_step_overhead_ms 1.08, 0.75 with 1.04",
-    "v4 attention CSA layer fwd+bwd 4,096 tokens (H100)": "the rate is per token, fitted at "
-    "V4-Flash's 18,432-token micro-batch; the layer's time grows faster than linearly (its "
-    "indexer scores every earlier compressed entry for each query before the top-k), so a "
-    "short sequence is over-predicted (the safe side)",
     **{f"v4 layers 2 V4-Flash layers fwd+bwd {t} tokens (H100, fused)": "over-predicted: the "
        "matmuls are costed at plan.mfu (0.195, fitted on a Qwen3-0.6B ZeRO-2 step), where the "
-       "fused V4 layers without DeepSpeed run at 26-29% MFU (v4_layer_h100.md); the same "
-       "model under DeepSpeed (the moe actor step rows) runs slower than plan.mfu, so the fit "
-       "stays" for t in ("8,192", "18,432")},
+       "fused V4 layers without DeepSpeed run at 26-29% MFU (v4_layer_h100.md, measured "
+       "before the Triton indexer: its CSA layer's attention took ~95 ms more than the rate "
+       "now says); the same model under DeepSpeed (the moe actor step rows) runs slower than "
+       "plan.mfu, so the fit stays" for t in ("8,192", "18,432")},
     **{f"moe actor step ZeRO-3, {setup} (2 layer(s), 64 experts, 16,384 tokens)": "under-"
        "predicted: measured on 2026-12-01 with transformers' decoder layer and the V4 attention "
-       "backward that recomputed each query block in torch (a CSA layer 428 ms at 18,432 tokens, "
-       "260.8 now); the preset costs today's kernels, the HCA layer at its own rate since "
-       "2026-12-06 (0.77 / 0.76 while it was costed at the CSA rate). Re-measure with "
+       "backward that recomputed each query block in torch and the indexer scored in torch (a CSA "
+       "layer 428 ms at 18,432 tokens, 166.9 now); the preset costs today's kernels (0.77 / "
+       "0.76 while every layer was costed at the older CSA rate). Re-measure with "
        "`bash bench/run_gpu.sh moe_actor` on 2 GPUs" for setup in ("no EP", "EP=2")},
 }
 
@@ -175,7 +172,7 @@ def rollout_rows(results: Path) -> list[dict]:
     return out
 
 
-V4_ATTENTION_RESULTS = (("compressed_sparse_attention", "CSA", "v4_attention_h100"),
+V4_ATTENTION_RESULTS = (("compressed_sparse_attention", "CSA", "v4_attention_h100_csa"),
                         ("heavily_compressed_attention", "HCA", "v4_attention_h100_hca"),
                         ("sliding_attention", "sliding", "v4_attention_h100_sliding"))
 
