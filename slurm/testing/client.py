@@ -2,9 +2,11 @@
 environment, and polling."""
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -45,3 +47,17 @@ def kick_backfill_while_pending(job_id: str, stop: threading.Event, poll_s: floa
         if "PENDING" in states:
             subprocess.run(["scontrol", "update", "PartitionName=batch", "State=UP"],
                            capture_output=True)
+
+
+@contextlib.contextmanager
+def backfill_kicked(job_id: str) -> Iterator[None]:
+    """`kick_backfill_while_pending(job_id)` in a thread for the duration of the block."""
+    stop = threading.Event()
+    thread = threading.Thread(target=kick_backfill_while_pending, args=(job_id, stop),
+                              daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)

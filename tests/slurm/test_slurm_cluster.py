@@ -13,6 +13,7 @@ import pytest
 from rl.config import SlurmGroupConfig
 from slurm.executor import HetJobExecutor
 from slurm.testing import probes
+from slurm.testing.client import backfill_kicked
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +78,8 @@ def test_hetjob_runs_ray_on_trainer_and_rollout_nodes(slurm_cluster, tmp_path):
 def test_requeued_hetjob_restarts_and_returns_result(slurm_cluster, tmp_path):
     job = _executor(tmp_path / "jobs").submit(probes.requeue_probe, str(tmp_path))
     try:
-        out = job.result()
+        with backfill_kicked(job.job_id):  # the requeued life starts once eligible
+            out = job.result()
     except BaseException:
         job.cancel(check=False)  # leave no job behind on failure
         raise
@@ -107,7 +109,8 @@ def test_preempted_hetjob_checkpoints_on_signal_and_resumes(slurm_cluster, tmp_p
         subprocess.run(["sbatch", "-p", "urgent", "-w", "n1", "-c", "1",
                         "-o", str(tmp_path / "urgent.out"), "--wrap", "sleep 2"],
                        check=True, capture_output=True)
-        out = job.result()
+        with backfill_kicked(job.job_id):
+            out = job.result()
     except BaseException:
         job.cancel(check=False)
         raise

@@ -16,6 +16,7 @@ from rl.config import load_config
 from rl.signals import EXIT_REQUEUE
 from slurm.sbatch import make_executor, wait_for
 from slurm.testing import probes
+from slurm.testing.client import backfill_kicked
 
 pytestmark = pytest.mark.slurm
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "slurm_cpu_test.yaml"
@@ -28,7 +29,8 @@ def test_wait_follows_requeues_and_exits_75_at_the_requeue_limit(slurm_cluster, 
     job = make_executor(cfg).submit(probes.stop_every_life_probe, cfg)
     sigint = signal.getsignal(signal.SIGINT)  # wait_for takes Ctrl-C over
     try:
-        rc = wait_for(job)
+        with backfill_kicked(job.job_id):  # the requeued life starts once eligible
+            rc = wait_for(job)
     except BaseException:
         job.cancel(check=False)  # leave no job behind on failure
         raise
