@@ -75,7 +75,8 @@ def indexer_topk(indexer, hidden_states: torch.Tensor, q_residual: torch.Tensor,
     from rl.models.v4_attention.kernel import _use_triton
     batch, seq_len, _ = hidden_states.shape
     keys = compressed_entries(indexer, hidden_states, overlap=True)  # (B, T, d)
-    fused = _use_triton(keys) and INDEXER != "torch"
+    d = indexer.head_dim  # the Triton tiles: a power of two, at least an MMA's 16
+    fused = _use_triton(keys) and INDEXER != "torch" and d >= 16 and d & (d - 1) == 0
     if fused:
         from rl.models.v4_attention.triton_indexer import index_scores
         block = max(block, TRITON_INDEXER_BLOCK)

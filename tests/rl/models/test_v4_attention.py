@@ -23,11 +23,11 @@ def eager_model():
     return _eager_v4()
 
 
-def _eager_v4():
+def _eager_v4(**overrides):
     # Small dims so the test is fast; one layer of each kind, windows that several query blocks
     # cross (block 16 < S), an HCA rate with several entries, padding in the second row.
     config_cls, _ = transformers_classes("deepseek_v4")
-    cfg = config_cls(
+    fields = dict(
         vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=1, head_dim=32, q_lora_rank=16, qk_rope_head_dim=8,
         moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
@@ -37,6 +37,7 @@ def _eager_v4():
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
         mlp_layer_types=["moe", "moe", "moe"], sliding_window=6, hc_mult=2,
         hc_sinkhorn_iters=3, max_position_embeddings=256, attn_implementation="eager")
+    cfg = config_cls(**{**fields, **overrides})
     torch.manual_seed(0)
     model = DeepseekV4ForCausalLM(cfg).float()
     with torch.no_grad():  # init leaves sinks / position biases at 0: make them matter
@@ -224,3 +225,18 @@ def indexer_case(dtype_name: str):
 def test_triton_indexer_matches_torch():
     assert _interpreted("indexer_case('float32'); indexer_case('bfloat16')") == [
         "indexer", "float32", "indexer", "bfloat16"]
+
+
+def test_indexer_head_dim_the_triton_tiles_cannot_take_runs_in_torch(monkeypatch):
+    """The Triton indexer tiles a power-of-two head dim of at least 16: any other takes the
+    torch scores even where the attention runs in Triton (here forced on CPU, where a Triton
+    launch would fail)."""
+    from rl.models.v4_attention import compress, kernel
+    indexer = _eager_v4(index_head_dim=24).model.layers[1].self_attn.compressor.indexer
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 40, 32, generator=g)
+    residual = torch.randn(1, 40, indexer.q_b_proj.in_features, generator=g)
+    pos = torch.arange(40).unsqueeze(0)
+    want = compress.indexer_topk(indexer, x, residual, pos)
+    monkeypatch.setattr(kernel, "FORCE", "triton")
+    assert torch.equal(compress.indexer_topk(indexer, x, residual, pos), want)
