@@ -243,20 +243,18 @@ def targets(rows: list[dict]) -> list[str]:
 
 def _backward_targets(get: dict) -> list[str]:
     notes = []
-    for part in ("layer", "core"):
-        new, old = get.get((part, 18432, "triton")), get.get((part, 18432, "triton_torch_bwd"))
+    for what, part, other in (("Triton backward faster than the torch recompute", "layer",
+                               "triton_torch_bwd"),
+                              ("Triton backward faster than the torch recompute", "core",
+                               "triton_torch_bwd"),
+                              ("Triton indexer faster than its torch scores", "layer",
+                               "triton_torch_indexer")):
+        new, old = get.get((part, 18432, "triton")), get.get((part, 18432, other))
         if new and old and "ok" == new["result"] == old["result"]:
             met = "MET" if new["seconds"] < old["seconds"] else "NOT MET"
-            notes.append(f"target Triton backward faster than the torch recompute, {part} "
-                         f"forward + backward at 18,432 tokens: {met} ({new['seconds'] * 1e3:.1f}"
-                         f" vs {old['seconds'] * 1e3:.1f} ms, "
+            notes.append(f"target {what}, {part} forward + backward at 18,432 tokens: {met} "
+                         f"({new['seconds'] * 1e3:.1f} vs {old['seconds'] * 1e3:.1f} ms, "
                          f"{old['seconds'] / new['seconds']:.2f}x)")
-    new, old = get.get(("layer", 18432, "triton")), get.get(("layer", 18432, "triton_torch_indexer"))
-    if new and old and "ok" == new["result"] == old["result"]:
-        met = "MET" if new["seconds"] < old["seconds"] else "NOT MET"
-        notes.append(f"target Triton indexer faster than its torch scores, layer forward + "
-                     f"backward at 18,432 tokens: {met} ({new['seconds'] * 1e3:.1f} vs "
-                     f"{old['seconds'] * 1e3:.1f} ms, {old['seconds'] / new['seconds']:.2f}x)")
     core = get.get(("core", 18432, "triton"))
     if core and core["result"] == "ok":
         met = "MET" if core["of_limit"] >= 0.35 else "NOT MET"

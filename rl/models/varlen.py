@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 
 import torch
 import torch.nn.functional as F
@@ -45,10 +44,9 @@ def row_bounds(cu_seq_lens: torch.Tensor) -> list[tuple[int, int]]:
     return bounds
 
 
-def with_bounds(cu_seq_lens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """`cu_seq_lens` carrying its rows' bounds, computed on the host from `lengths`."""
-    ends = list(itertools.accumulate(lengths, initial=0))
-    setattr(cu_seq_lens, _BOUNDS, list(zip(ends[:-1], ends[1:])))
+def with_bounds(cu_seq_lens: torch.Tensor, host_cu_seq_lens: torch.Tensor) -> torch.Tensor:
+    """`cu_seq_lens` (on any device) carrying its rows' bounds, read from its host copy."""
+    setattr(cu_seq_lens, _BOUNDS, row_bounds(host_cu_seq_lens))
     return cu_seq_lens
 
 

@@ -92,8 +92,8 @@ def slice_columns(rows: int, vocab: int, chunk_rows: int, align: int = 1) -> int
     rows off the 16-byte alignment bf16 tensor-core GEMMs need; at V4-Flash's 18,432 tokens and
     1,024 chunk rows (7,182 columns) the chunked head ran at 1.64x the full-logits time on an
     H100, where 8,192 tokens (8,080 columns) ran at 0.96x; aligned (7,168), at 0.95x
-    (bench/results/lm_head.md). A slice then exceeds a forward chunk's logits only beyond chunk_rows x vocab / 128 rows (a million
-    at V4's vocabulary and 1,024 chunk rows)."""
+    (bench/results/lm_head.md). A slice then exceeds a forward chunk's logits only beyond
+    chunk_rows x vocab / 128 rows (a million at V4's vocabulary and 1,024 chunk rows)."""
     cols = chunk_rows * vocab // max(rows, 1)
     return max(1, min(vocab, max(align, cols // align * align)))
 

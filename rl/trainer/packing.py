@@ -70,7 +70,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     cols = torch.cat([torch.arange(n - 1) for n in lengths])
     at = torch.cat([torch.arange(int(cu[i]), int(cu[i]) + n - 1) for i, n in enumerate(lengths)])
     return Packed(input_ids=ids.to(dev), position_ids=pos.to(dev),
-                  cu_seq_lens=varlen.with_bounds(cu.to(device=dev, dtype=torch.int32), lengths),
+                  cu_seq_lens=varlen.with_bounds(cu.to(device=dev, dtype=torch.int32), cu),
                   max_length=max(lengths),
                   targets=ids[:, 1:].to(dev), rows=rows.to(dev), cols=cols.to(dev),
                   at=at.to(dev), shape=(B, L - 1))
