@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from job.lifecycle import read_jsonl
-from slurm.testing.client import kick_backfill_while_pending, wait_until
+from slurm.testing.client import backfill_kicked, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -218,7 +218,6 @@ def runs(slurm_cluster, tmp_path_factory, request):
                     "cluster.rollout.cpus_per_node=1", "--wait"),
         cwd=REPO, env=_env(), stdout=ref_log, stderr=subprocess.STDOUT)
     job_ids = []
-    kicker_stop = threading.Event()
     try:
         # Two Ray clusters starting at once on 2 busy cores can miss `ray start`'s fixed 30 s
         # registration window: let the reference's Ray come up first.
@@ -237,12 +236,10 @@ def runs(slurm_cluster, tmp_path_factory, request):
         thread.start()
         # Each requeued life starts within a second of its eligibility, not at the idle
         # cluster's next node ping (see kick_backfill_while_pending).
-        threading.Thread(target=kick_backfill_while_pending, args=(job_id, kicker_stop),
-                         daemon=True).start()
-        yield {"out": out, "reference": reference, "reference_log": out / "reference.log",
-               "interrupted_dir": interrupted_dir, "record": record, "job_ids": job_ids}
+        with backfill_kicked(job_id):
+            yield {"out": out, "reference": reference, "reference_log": out / "reference.log",
+                   "interrupted_dir": interrupted_dir, "record": record, "job_ids": job_ids}
     finally:
-        kicker_stop.set()
         if reference.poll() is None:
             reference.terminate()
             reference.wait(30)
