@@ -5,6 +5,12 @@ weight sync see no difference) whose `forward`, for a whole sequence without a K
 (training, scoring), replaces the compressor's (S x T) block bias, the indexer's
 (S x heads x T) scores and eager's (heads x S x (S+T)) scores with `v4_attention` over query
 blocks. With a cache (generation) it runs transformers' eager forward unchanged.
+
+The query's norm and rope, and the output's inverse rope, each pass over a (tokens x heads x
+head_dim) tensor, 1.2 GB in bf16 at V4-Flash dims and 18,432 tokens, and eagerly they make ~10
+such passes forward and backward (fp32 copies, the rope slice's `cat`, its zero-filled slice
+gradients, the output's transpose copy). `_q_prep` and `_out_unrope` hold each chain in one
+function, compiled on CUDA (`rl.models.v4_layer.compiled`): same arithmetic, eager elsewhere.
 """
 from __future__ import annotations
 
@@ -16,7 +22,26 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 
 from rl.models.v4_attention.compress import compressed_entries, indexer_topk
 from rl.models.v4_attention.kernel import attention
+from rl.models.v4_layer.compiled import Fused
 from rl.models.varlen import row_bounds
+
+
+def _q_prep_fn(q_THD, cos, sin, eps: float):
+    # DeepseekV4UnweightedRMSNorm, then apply_rotary_pos_emb, token-major (cos / sin (T, r/2))
+    q_THD = q_THD * torch.rsqrt(q_THD.float().square().mean(-1, keepdim=True) + eps).to(
+        q_THD.dtype)
+    return apply_rotary_pos_emb(q_THD, cos, sin)
+
+
+def _out_unrope_fn(out_THD, cos, sin):
+    # undo the rope V (= K) carried, at the query position (as eager does); (T, H * D) out
+    return apply_rotary_pos_emb(out_THD, cos, -sin).flatten(1)
+
+
+_q_prep = Fused(_q_prep_fn, token_args=3)
+"""(q (T, H, D), cos, sin (T, rope_dim / 2), eps) -> q normed and roped, (T, H, D)."""
+_out_unrope = Fused(_out_unrope_fn, token_args=3)
+"""(out (T, H, D), cos, sin (T, rope_dim / 2)) -> (T, H * D), the rope undone."""
 
 
 class LinearV4Attention(DeepseekV4Attention):
@@ -34,8 +59,12 @@ class LinearV4Attention(DeepseekV4Attention):
         cos, sin = position_embeddings[self.rope_layer_type]
         # q and kv exactly as DeepseekV4Attention.forward builds them.
         q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
-        q = self.q_b_proj(q_residual).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
-        q = apply_rotary_pos_emb(self.q_b_norm(q), cos, sin)
+        tokens = batch * seq_len
+        cos_T, sin_T = cos.expand(batch, -1, -1).reshape(tokens, -1), sin.expand(
+            batch, -1, -1).reshape(tokens, -1)
+        q = _q_prep(self.q_b_proj(q_residual).view(tokens, -1, self.head_dim), cos_T, sin_T,
+                    self.q_b_norm.eps)
+        q = q.view(batch, seq_len, -1, self.head_dim).transpose(1, 2)  # (B, H, S, D)
         kv = self.kv_norm(self.kv_proj(hidden_states)).view(batch, seq_len, 1, self.head_dim)
         kv = apply_rotary_pos_emb(kv.transpose(1, 2), cos, sin).squeeze(1)  # (B, S, D)
 
@@ -60,9 +89,9 @@ class LinearV4Attention(DeepseekV4Attention):
             outs.append(attention(q[:, :, a:b], kv[:, a:b], comp, topk, thr, valid, self.sinks,
                                   self.scaling, self.sliding_window))  # (B, H, n, D)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        # Undo the rope that V (= K) carried, at the query position (as eager does).
-        out = apply_rotary_pos_emb(out, cos, -sin).transpose(1, 2)
-        grouped = out.reshape(batch, seq_len, self.config.o_groups, -1)
+        # (B, S, H, D) storage from the Triton forward: a view, no copy
+        out = _out_unrope(out.transpose(1, 2).reshape(tokens, -1, self.head_dim), cos_T, sin_T)
+        grouped = out.view(batch, seq_len, self.config.o_groups, -1)
         return self.o_b_proj(self.o_a_proj(grouped).flatten(2)), None
 
     def _eager_mask(self, hidden_states, attention_mask):
