@@ -21,8 +21,8 @@ The core rows feed the op random inputs of the layer's shapes (CSA: distinct ran
 picks; HCA: every visible entry); `fwd_seconds` is its forward alone.
 
 Run: python -m bench.v4_attention [--tokens 4096 8192 16384 18432] [--layer csa|hca|sliding]
-     [--impl eager triton triton_torch_bwd torch triton_torch_indexer]
-     [--core triton triton_torch_bwd]
+     [--impl eager triton triton2 triton_torch_bwd torch triton_torch_indexer]
+     [--core triton triton2 triton_torch_bwd]
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ FLASH = dict(vocab_size=1024, hidden_size=4096, num_attention_heads=64, num_key_
              rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
                            "beta_fast": 32, "beta_slow": 1})
 LAYERS = {"sliding": 0, "csa": 1, "hca": 2}
-IMPLS = {"triton": ("triton", "triton"), "triton_torch_bwd": ("triton", "torch"),
-         "torch": ("torch", "triton")}
+IMPLS = {"triton": ("triton", "triton"), "triton2": ("triton", "triton2"),
+         "triton_torch_bwd": ("triton", "torch"), "torch": ("torch", "triton")}
 """impl -> (kernel.FORCE, kernel.BACKWARD); eager is transformers' attention."""
 LAYER_IMPLS = [*IMPLS, "triton_torch_indexer"]
 """Layer rows also compare the Triton path with the indexer scored in torch (RL_V4_INDEXER)."""
@@ -243,24 +243,31 @@ def targets(rows: list[dict]) -> list[str]:
 
 def _backward_targets(get: dict) -> list[str]:
     notes = []
-    for what, part, other in (("Triton backward faster than the torch recompute", "layer",
-                               "triton_torch_bwd"),
-                              ("Triton backward faster than the torch recompute", "core",
-                               "triton_torch_bwd"),
-                              ("Triton indexer faster than its torch scores", "layer",
-                               "triton_torch_indexer")):
-        new, old = get.get((part, 18432, "triton")), get.get((part, 18432, other))
+    for what, part, ours, other in (
+            ("Triton backward faster than the torch recompute", "layer", "triton",
+             "triton_torch_bwd"),
+            ("Triton backward faster than the torch recompute", "core", "triton",
+             "triton_torch_bwd"),
+            ("two-pass Triton backward faster than the Triton backward", "layer", "triton2",
+             "triton"),
+            ("two-pass Triton backward faster than the Triton backward", "core", "triton2",
+             "triton"),
+            ("Triton indexer faster than its torch scores", "layer", "triton",
+             "triton_torch_indexer")):
+        new, old = get.get((part, 18432, ours)), get.get((part, 18432, other))
         if new and old and "ok" == new["result"] == old["result"]:
             met = "MET" if new["seconds"] < old["seconds"] else "NOT MET"
             notes.append(f"target {what}, {part} forward + backward at 18,432 tokens: {met} "
                          f"({new['seconds'] * 1e3:.1f} vs {old['seconds'] * 1e3:.1f} ms, "
                          f"{old['seconds'] / new['seconds']:.2f}x)")
-    core = get.get(("core", 18432, "triton"))
-    if core and core["result"] == "ok":
+    for impl in ("triton", "triton2"):
+        core = get.get(("core", 18432, impl))
+        if not core or core["result"] != "ok":
+            continue
         met = "MET" if core["of_limit"] >= 0.35 else "NOT MET"
         bwd = core["seconds"] - core["fwd_seconds"]
         notes.append(f"target attention core forward + backward at 18,432 tokens >= 35% of its "
-                     f"FLOP limit (the project's MFU bar): {met} ({core['of_limit']:.1%}: "
+                     f"FLOP limit (the project's MFU bar), {impl}: {met} ({core['of_limit']:.1%}: "
                      f"{core['seconds'] * 1e3:.1f} ms vs {core['limit_s'] * 1e3:.1f} ms; forward "
                      f"{core['fwd_seconds'] * 1e3:.1f} ms, backward {bwd * 1e3:.1f} ms)")
     return notes
@@ -271,7 +278,7 @@ def main() -> None:
         p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 18432]),
         p.add_argument("--impl", nargs="+", default=["eager", *LAYER_IMPLS],
                        choices=["eager", *LAYER_IMPLS]),
-        p.add_argument("--core", nargs="*", default=["triton", "triton_torch_bwd"],
+        p.add_argument("--core", nargs="*", default=["triton", "triton2", "triton_torch_bwd"],
                        choices=list(IMPLS)),
         p.add_argument("--layer", default="csa", choices=sorted(LAYERS)),
         p.add_argument("--reps", type=int, default=3)))
@@ -298,7 +305,9 @@ def main() -> None:
                                   core_limit))
             print(rows[-1], flush=True)
     info = {**device_info(), "layer": args.layer, "layer_params": params,
-            "bf16_peak_TFLOPs": peak, "backward_tiles": _tiles()}
+            "bf16_peak_TFLOPs": peak, "backward_tiles": _tiles("triton_bwd", "TILES"),
+            "backward2_tiles": {part: _tiles("triton_bwd2", attr)
+                                for part, attr in (("scores", "SCORES"), ("grads", "GRADS"))}}
     write_results("v4_attention_smoke" if args.smoke else "v4_attention", args.out, info, rows,
                   ["part", "tokens", "impl", "result", "peak_gib", "seconds", "fwd_seconds",
                    "limit_s", "of_limit"], _notes(args, params, peak) + targets(rows))
@@ -311,14 +320,16 @@ def _of_limit(row: dict, limit_tflop: float) -> dict:
     return row
 
 
-def _tiles() -> dict:
-    # the Triton backward's tiles per (head_dim, padded heads, dtype), and what each took
+def _tiles(module: str, attr: str) -> dict:
+    # one backward kernel's tiles (`triton_bwd.Tiles`) per (head_dim, padded heads, dtype), and
+    # what each candidate took
     import sys
-    mod = sys.modules.get("rl.models.v4_attention.triton_bwd")
+    mod = sys.modules.get(f"rl.models.v4_attention.{module}")
     if mod is None:
         return {}
-    return {str(k): {"tiles": v, "ms": {str(c): t for c, t in mod.TIMINGS.get(k, {}).items()}}
-            for k, v in mod.TUNED.items()}
+    tiles = getattr(mod, attr)
+    return {str(k): {"tiles": v, "ms": {str(c): t for c, t in tiles.timings.get(k, {}).items()}}
+            for k, v in tiles.tuned.items()}
 
 
 def _notes(args, params: int, peak: float) -> list[str]:
@@ -326,7 +337,9 @@ def _notes(args, params: int, peak: float) -> list[str]:
             "batch 1; peak_gib = peak allocated during one forward + backward minus what was "
             "allocated before (weights, gradients, input)",
             "layer rows: triton = rl.models.v4_attention on GPU as the trainer runs it (Triton "
-            "forward, Triton backward); triton_torch_bwd = the same with RL_V4_ATTENTION_BWD="
+            "forward, Triton backward); triton2 = the same with RL_V4_ATTENTION_BWD=triton2 "
+            "(two-pass Triton backward: scores once per token into buffers, then the "
+            "gradients); triton_torch_bwd = the same with RL_V4_ATTENTION_BWD="
             "torch (backward recomputing each query block in torch); triton_torch_indexer = "
             "triton with the CSA indexer's scores in torch (RL_V4_INDEXER=torch: per-head "
             "scores materialised a query block at a time), where triton scores them in one "

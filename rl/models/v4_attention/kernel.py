@@ -4,8 +4,10 @@ On a CUDA device with Triton: the Triton forward (`triton_fwd.py`), which also s
 softmax row's logsumexp, and the Triton backward (`triton_bwd.py`, memory O(S)). With
 RL_V4_ATTENTION_BWD=torch the backward instead recomputes each query block's scores in torch
 (`chunked._block_attention`) and back-propagates through that block alone (memory O(block x
-keys); kept for comparison). Elsewhere: the chunked torch path, whose blocks are checkpointed
-(the same recompute-per-block backward, via autograd).
+keys); kept for comparison). RL_V4_ATTENTION_BWD=triton2 selects the two-pass Triton backward
+(`triton_bwd2.py`: each token's scores once into chunked buffers, then the gradients; on trial).
+Elsewhere: the chunked torch path, whose blocks are checkpointed (the same recompute-per-block
+backward, via autograd).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from rl.models.v4_attention import chunked
 FORCE = os.environ.get("RL_V4_ATTENTION", "")
 """"torch" or "triton" overrides the choice by device (benchmarks, tests)."""
 BACKWARD = os.environ.get("RL_V4_ATTENTION_BWD", "triton")
-""""triton" (default) or "torch": the Triton path's backward (benchmarks compare them)."""
+""""triton" (default), "triton2" or "torch": the Triton path's backward (benchmarks compare)."""
 
 
 def _use_triton(q: torch.Tensor) -> bool:
@@ -39,10 +41,11 @@ class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, comp, sinks, topk, thr, valid, scale, window):
         from rl.models.v4_attention.triton_fwd import v4_attention_fwd
-        if BACKWARD not in ("triton", "torch"):
-            raise ValueError(f"RL_V4_ATTENTION_BWD={BACKWARD!r}: expected triton or torch")
-        ctx.scale, ctx.window = scale, window
-        ctx.flash = BACKWARD == "triton" and any(ctx.needs_input_grad)
+        if BACKWARD not in ("triton", "triton2", "torch"):
+            raise ValueError(f"RL_V4_ATTENTION_BWD={BACKWARD!r}: expected triton, triton2 or "
+                             "torch")
+        ctx.scale, ctx.window, ctx.two_pass = scale, window, BACKWARD == "triton2"
+        ctx.flash = BACKWARD != "torch" and any(ctx.needs_input_grad)
         if not ctx.flash:
             ctx.save_for_backward(q, kv, comp, sinks, topk, thr, valid)
             return v4_attention_fwd(q, kv, comp, topk, thr, valid, sinks, scale, window)
@@ -58,10 +61,12 @@ class _TritonAttention(torch.autograd.Function):
         grads = None
         if ctx.flash:
             from rl.models.v4_attention.triton_bwd import NoTileFits, v4_attention_bwd
+            from rl.models.v4_attention.triton_bwd2 import v4_attention_bwd2
             q, kv, comp, sinks, topk, thr, valid, out, lse = saved
+            bwd = v4_attention_bwd2 if ctx.two_pass else v4_attention_bwd
             try:
-                grads = v4_attention_bwd(grad_out, q, kv, comp, topk, thr, valid, sinks, out,
-                                         lse, ctx.scale, ctx.window)
+                grads = bwd(grad_out, q, kv, comp, topk, thr, valid, sinks, out, lse, ctx.scale,
+                            ctx.window)
             except NoTileFits as e:  # e.g. fp32 at head_dim 512 on a small-smem GPU
                 warnings.warn(f"{e}: this backward recomputes in torch instead", stacklevel=2)
         if grads is None:

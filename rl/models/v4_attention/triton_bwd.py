@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -100,20 +101,89 @@ class NoTileFits(RuntimeError):
     """No tile config of the backward fits the device (shared memory)."""
 
 
+_TOO_BIG = tuple(getattr(triton.runtime.errors, n) for n in ("OutOfResources", "PTXASError")
+                 if hasattr(triton.runtime.errors, n))
+
+
+class Tiles:
+    """One kernel's tile configs per (head_dim, padded heads, dtype): pinned by the env var
+    `env`, else the candidates that fit timed on the first launch on a GPU (a few seconds of
+    compiling, once per process) and the fastest kept for every later call and layer kind; the
+    fallbacks are tried in order only if no candidate fits the device's shared memory. A config
+    is a tuple of `fields`: BLOCK_N, DV (where the kernel splits head_dim), num_warps,
+    num_stages; `max_block_n` bounds BLOCK_N where the kernel needs it."""
+
+    def __init__(self, env: str, fields: tuple[str, ...],
+                 candidates: Sequence[tuple[int, ...]], fallback: Sequence[tuple[int, ...]],
+                 max_block_n: int | None = None):
+        self.env, self.fields, self.max_block_n = env, fields, max_block_n
+        self.candidates, self.fallback = candidates, fallback
+        self.tuned: dict[tuple, tuple[int, ...]] = {}
+        """(head_dim, padded heads, dtype) -> the tiles in use; benchmarks report it."""
+        self.timings: dict[tuple, dict[tuple, float]] = {}
+        """(head_dim, padded heads, dtype) -> {tiles: ms} of the candidates that fit, if timed."""
+
+    def __call__(self, key, launch) -> tuple[int, ...]:
+        if key in self.tuned:
+            return self.tuned[key]
+        D = key[0]
+        pinned = os.environ.get(self.env)
+        if pinned:
+            self.tuned[key] = self._parse(pinned, D)
+            return self.tuned[key]
+        fits = [c for c in [*self.candidates, *self.fallback] if self._ok(c, D)]
+        if os.environ.get("TRITON_INTERPRET") == "1" or not fits:
+            small = dict(BLOCK_N=16, DV=min(D, 64), num_warps=4, num_stages=1)
+            self.tuned[key] = tuple(small[f] for f in self.fields)
+            return self.tuned[key]
+        from triton.testing import do_bench
+        times: dict[tuple[int, ...], float] = {}
+        for config in fits:
+            if config in self.fallback and times:
+                break
+            try:
+                times[config] = do_bench(lambda c=config: launch(c), warmup=5, rep=20)
+            except _TOO_BIG:
+                continue
+        if not times:
+            raise NoTileFits(f"no Triton backward tile config fits head_dim {D} in {key[2]}")
+        self.tuned[key], self.timings[key] = min(times, key=lambda c: times[c]), times
+        return self.tuned[key]
+
+    def _ok(self, config: tuple[int, ...], head_dim: int) -> bool:
+        if len(config) != len(self.fields):
+            return False
+        c = dict(zip(self.fields, config))
+        dv = c.get("DV", head_dim)
+        return (16 <= c["BLOCK_N"] <= (self.max_block_n or c["BLOCK_N"]) and c["num_warps"] > 0
+                and 16 <= dv <= head_dim and head_dim % dv == 0)
+
+    def _parse(self, text: str, head_dim: int) -> tuple[int, ...]:
+        try:
+            config = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            config = ()
+        if not self._ok(config, head_dim):
+            rules = ["BLOCK_N >= 16" + (f" and <= {self.max_block_n}" if self.max_block_n
+                                        else "")]
+            if "DV" in self.fields:
+                rules.append(f"DV >= 16 dividing head_dim {head_dim}")
+            raise ValueError(f"{self.env}={text!r}: expected {','.join(self.fields)} "
+                             f"({', '.join(rules)})")
+        return config
+
+
 TILES_ENV = "RL_V4_ATTENTION_BWD_TILES"
-"""`BLOCK_N,DV,num_warps,num_stages` pins the backward's tiles (skips the timing below)."""
+"""`BLOCK_N,DV,num_warps,num_stages` pins the backward's tiles (skips the timing)."""
 CANDIDATES = [(16, 256, 8, 1), (32, 256, 8, 1), (32, 128, 8, 1), (32, 128, 8, 2)]
 """(BLOCK_N, DV, num_warps, num_stages) timed on the first backward of a (head_dim, heads, dtype)
 on a GPU; the fastest stays. Larger DV: fewer programs recompute s and dO.v; larger BLOCK_N:
 larger MMAs; both cost shared memory (q and dO, (heads x D) each, stay resident)."""
 FALLBACK = [(16, 128, 8, 1), (16, 64, 4, 1)]
 """Tried in order only if no candidate fits the device's shared memory."""
-TUNED: dict[tuple, tuple[int, int, int, int]] = {}
-"""(head_dim, padded heads, dtype) -> the tiles in use; benchmarks report it."""
-TIMINGS: dict[tuple, dict[tuple, float]] = {}
-"""(head_dim, padded heads, dtype) -> {tiles: ms} of the candidates that fit, when timed."""
-_TOO_BIG = tuple(getattr(triton.runtime.errors, n) for n in ("OutOfResources", "PTXASError")
-                 if hasattr(triton.runtime.errors, n))
+TILES = Tiles(TILES_ENV, ("BLOCK_N", "DV", "num_warps", "num_stages"), CANDIDATES, FALLBACK)
+TUNED = TILES.tuned
+TIMINGS = TILES.timings
 
 
 def v4_attention_bwd(grad_BHSD, q_BHSD, kv_BSD, comp_BTD, topk_BSK, thr_BS, valid_BS, sinks_H,
@@ -122,18 +192,10 @@ def v4_attention_bwd(grad_BHSD, q_BHSD, kv_BSD, comp_BTD, topk_BSK, thr_BS, vali
     output's gradient, the forward's output and its logsumexp (`v4_attention_fwd(...,
     return_lse=True)`). Gradients come back in their inputs' dtypes, summed in fp32."""
     B, H, S, D = q_BHSD.shape
-    q = q_BHSD if q_BHSD.stride(3) == 1 else q_BHSD.contiguous()
-    out = out_BHSD if out_BHSD.stride(3) == 1 else out_BHSD.contiguous()
-    grad = grad_BHSD if grad_BHSD.stride() == out.stride() else (
-        torch.empty_like(out).copy_(grad_BHSD))
-    dq = torch.empty_like(out, dtype=q.dtype)
-    kv = kv_BSD.contiguous()
-    mode = 1 if topk_BSK is not None else 2 if thr_BS is not None else 0
-    comp = comp_BTD.contiguous() if comp_BTD is not None else kv.new_zeros(B, 1, D)
+    grad, q, out, kv, comp, topk, thr, valid, mode = _operands(
+        grad_BHSD, q_BHSD, out_BHSD, kv_BSD, comp_BTD, topk_BSK, thr_BS, valid_BS)
     T = comp.shape[1]
-    topk = topk_BSK.contiguous() if mode == 1 else kv.new_zeros(1, dtype=torch.long)
-    thr = thr_BS.to(torch.int32).contiguous() if mode == 2 else kv.new_zeros(1, dtype=torch.int32)
-    valid = valid_BS.to(torch.int8).contiguous() if valid_BS is not None else thr
+    dq = torch.empty_like(out, dtype=q.dtype)
     dkv = torch.zeros(B, S, D, dtype=torch.float32, device=kv.device)
     dcomp = torch.zeros(B, T, D, dtype=torch.float32, device=kv.device)
     dsink = torch.empty(B, S, H, dtype=torch.float32, device=kv.device)
@@ -151,9 +213,27 @@ def v4_attention_bwd(grad_BHSD, q_BHSD, kv_BSD, comp_BTD, topk_BSK, thr_BS, vali
         _v4_attn_bwd[(S, B * (D // dv))](*args, DV=dv, BLOCK_N=block_n, num_warps=warps,
                                          num_stages=stages, **meta)
 
-    launch(tiles or _tiles((D, meta["BLOCK_H"], q.dtype), launch))
+    launch(tiles or TILES((D, meta["BLOCK_H"], q.dtype), launch))
     return (dq, dkv.to(kv_BSD.dtype), None if comp_BTD is None else dcomp.to(comp_BTD.dtype),
             dsink.sum((0, 1)).to(sinks_H.dtype))
+
+
+def _operands(grad_BHSD, q_BHSD, out_BHSD, kv_BSD, comp_BTD, topk_BSK, thr_BS, valid_BS):
+    """(grad, q, out, kv, comp, topk, thr, valid, mode) as the backward kernels take them: the
+    head dim contiguous, grad in out's layout (o, dO and dq share strides), int32 thresholds,
+    int8 padding, placeholders where the layer kind has none; mode 0 sliding, 1 CSA, 2 HCA."""
+    B, D = q_BHSD.shape[0], q_BHSD.shape[3]
+    q = q_BHSD if q_BHSD.stride(3) == 1 else q_BHSD.contiguous()
+    out = out_BHSD if out_BHSD.stride(3) == 1 else out_BHSD.contiguous()
+    grad = grad_BHSD if grad_BHSD.stride() == out.stride() else (
+        torch.empty_like(out).copy_(grad_BHSD))
+    kv = kv_BSD.contiguous()
+    mode = 1 if topk_BSK is not None else 2 if thr_BS is not None else 0
+    comp = comp_BTD.contiguous() if comp_BTD is not None else kv.new_zeros(B, 1, D)
+    topk = topk_BSK.contiguous() if mode == 1 else kv.new_zeros(1, dtype=torch.long)
+    thr = thr_BS.to(torch.int32).contiguous() if mode == 2 else kv.new_zeros(1, dtype=torch.int32)
+    valid = valid_BS.to(torch.int8).contiguous() if valid_BS is not None else thr
+    return grad, q, out, kv, comp, topk, thr, valid, mode
 
 
 def _coprime_stride(window: int, S: int) -> int:
@@ -161,44 +241,3 @@ def _coprime_stride(window: int, S: int) -> int:
     while math.gcd(stride, S) != 1:
         stride += 1
     return stride
-
-
-def _tiles(key, launch) -> tuple[int, int, int, int]:
-    # The first backward of a key times each candidate that fits (a few seconds of compiling,
-    # once per process) and keeps the fastest for every later call and layer kind.
-    if key in TUNED:
-        return TUNED[key]
-    D = key[0]
-    pinned = os.environ.get(TILES_ENV)
-    if pinned:
-        TUNED[key] = _parse_tiles(pinned, D)
-        return TUNED[key]
-    fits = [c for c in CANDIDATES + FALLBACK if c[1] <= D and D % c[1] == 0]
-    if os.environ.get("TRITON_INTERPRET") == "1" or not fits:
-        TUNED[key] = (16, min(D, 64), 4, 1)
-        return TUNED[key]
-    from triton.testing import do_bench
-    times: dict[tuple[int, int, int, int], float] = {}
-    for config in fits:
-        if config in FALLBACK and times:
-            break
-        try:
-            times[config] = do_bench(lambda c=config: launch(c), warmup=5, rep=20)
-        except _TOO_BIG:
-            continue
-    if not times:
-        raise NoTileFits(f"no Triton backward tile config fits head_dim {D} in {key[2]}")
-    TUNED[key], TIMINGS[key] = min(times, key=lambda c: times[c]), times
-    return TUNED[key]
-
-
-def _parse_tiles(text: str, head_dim: int) -> tuple[int, int, int, int]:
-    try:
-        block_n, dv, warps, stages = (int(x) for x in text.split(","))
-        ok = block_n >= 16 and 16 <= dv <= head_dim and head_dim % dv == 0 and warps > 0
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"{TILES_ENV}={text!r}: expected BLOCK_N,DV,num_warps,num_stages "
-                         f"(BLOCK_N >= 16, DV >= 16 dividing head_dim {head_dim})")
-    return block_n, dv, warps, stages

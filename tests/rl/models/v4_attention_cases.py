@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 IMPLS = {"chunked": ("torch", "triton"), "triton": ("triton", "triton"),
-         "triton_torch_bwd": ("triton", "torch")}
+         "triton2": ("triton", "triton2"), "triton_torch_bwd": ("triton", "torch")}
 """name -> (kernel.FORCE, kernel.BACKWARD): the chunked torch path, the Triton forward with the
-Triton backward, the Triton forward with the per-block torch recompute backward."""
+Triton backward, with the two-pass Triton backward, with the per-block torch recompute
+backward."""
 NAMES = ["out", "dq", "dkv", "dcomp", "dsinks"]
 
 
