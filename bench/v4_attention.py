@@ -21,8 +21,8 @@ The core rows feed the op random inputs of the layer's shapes (CSA: distinct ran
 picks; HCA: every visible entry); `fwd_seconds` is its forward alone.
 
 Run: python -m bench.v4_attention [--tokens 4096 8192 16384 18432] [--layer csa|hca|sliding]
-     [--impl eager triton triton2 triton_torch_bwd torch triton_torch_indexer]
-     [--core triton triton2 triton_torch_bwd]
+     [--impl eager triton triton_one_pass triton_torch_bwd torch triton_torch_indexer]
+     [--core triton triton_one_pass triton_torch_bwd]
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ FLASH = dict(vocab_size=1024, hidden_size=4096, num_attention_heads=64, num_key_
              rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
                            "beta_fast": 32, "beta_slow": 1})
 LAYERS = {"sliding": 0, "csa": 1, "hca": 2}
-IMPLS = {"triton": ("triton", "triton"), "triton2": ("triton", "triton2"),
+IMPLS = {"triton": ("triton", "triton"), "triton_one_pass": ("triton", "triton_one_pass"),
          "triton_torch_bwd": ("triton", "torch"), "torch": ("torch", "triton")}
 """impl -> (kernel.FORCE, kernel.BACKWARD); eager is transformers' attention."""
 LAYER_IMPLS = [*IMPLS, "triton_torch_indexer"]
@@ -248,10 +248,10 @@ def _backward_targets(get: dict) -> list[str]:
              "triton_torch_bwd"),
             ("Triton backward faster than the torch recompute", "core", "triton",
              "triton_torch_bwd"),
-            ("two-pass Triton backward faster than the Triton backward", "layer", "triton2",
-             "triton"),
-            ("two-pass Triton backward faster than the Triton backward", "core", "triton2",
-             "triton"),
+            ("two-pass Triton backward faster than the one-pass one", "layer", "triton",
+             "triton_one_pass"),
+            ("two-pass Triton backward faster than the one-pass one", "core", "triton",
+             "triton_one_pass"),
             ("Triton indexer faster than its torch scores", "layer", "triton",
              "triton_torch_indexer")):
         new, old = get.get((part, 18432, ours)), get.get((part, 18432, other))
@@ -260,7 +260,7 @@ def _backward_targets(get: dict) -> list[str]:
             notes.append(f"target {what}, {part} forward + backward at 18,432 tokens: {met} "
                          f"({new['seconds'] * 1e3:.1f} vs {old['seconds'] * 1e3:.1f} ms, "
                          f"{old['seconds'] / new['seconds']:.2f}x)")
-    for impl in ("triton", "triton2"):
+    for impl in ("triton", "triton_one_pass"):
         core = get.get(("core", 18432, impl))
         if not core or core["result"] != "ok":
             continue
@@ -278,7 +278,7 @@ def main() -> None:
         p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 18432]),
         p.add_argument("--impl", nargs="+", default=["eager", *LAYER_IMPLS],
                        choices=["eager", *LAYER_IMPLS]),
-        p.add_argument("--core", nargs="*", default=["triton", "triton2", "triton_torch_bwd"],
+        p.add_argument("--core", nargs="*", default=["triton", "triton_one_pass", "triton_torch_bwd"],
                        choices=list(IMPLS)),
         p.add_argument("--layer", default="csa", choices=sorted(LAYERS)),
         p.add_argument("--reps", type=int, default=3)))
@@ -305,9 +305,9 @@ def main() -> None:
                                   core_limit))
             print(rows[-1], flush=True)
     info = {**device_info(), "layer": args.layer, "layer_params": params,
-            "bf16_peak_TFLOPs": peak, "backward_tiles": _tiles("triton_bwd", "TILES"),
-            "backward2_tiles": {part: _tiles("triton_bwd2", attr)
-                                for part, attr in (("scores", "SCORES"), ("grads", "GRADS"))}}
+            "bf16_peak_TFLOPs": peak, "backward_tiles": {part: _tiles("triton_bwd2", attr)
+                               for part, attr in (("scores", "SCORES"), ("grads", "GRADS"))},
+            "one_pass_backward_tiles": _tiles("triton_bwd", "TILES")}
     write_results("v4_attention_smoke" if args.smoke else "v4_attention", args.out, info, rows,
                   ["part", "tokens", "impl", "result", "peak_gib", "seconds", "fwd_seconds",
                    "limit_s", "of_limit"], _notes(args, params, peak) + targets(rows))
@@ -337,9 +337,9 @@ def _notes(args, params: int, peak: float) -> list[str]:
             "batch 1; peak_gib = peak allocated during one forward + backward minus what was "
             "allocated before (weights, gradients, input)",
             "layer rows: triton = rl.models.v4_attention on GPU as the trainer runs it (Triton "
-            "forward, Triton backward); triton2 = the same with RL_V4_ATTENTION_BWD=triton2 "
-            "(two-pass Triton backward: scores once per token into buffers, then the "
-            "gradients); triton_torch_bwd = the same with RL_V4_ATTENTION_BWD="
+            "forward, two-pass Triton backward: scores once per token into buffers, then the "
+            "gradients); triton_one_pass = the same with RL_V4_ATTENTION_BWD=triton_one_pass "
+            "(the scores recomputed in each D / DV program); triton_torch_bwd = the same with RL_V4_ATTENTION_BWD="
             "torch (backward recomputing each query block in torch); triton_torch_indexer = "
             "triton with the CSA indexer's scores in torch (RL_V4_INDEXER=torch: per-head "
             "scores materialised a query block at a time), where triton scores them in one "

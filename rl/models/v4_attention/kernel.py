@@ -1,11 +1,13 @@
 """Which implementation of `v4_attention` runs, and which backward the Triton path takes.
 
 On a CUDA device with Triton: the Triton forward (`triton_fwd.py`), which also saves each
-softmax row's logsumexp, and the Triton backward (`triton_bwd.py`, memory O(S)). With
-RL_V4_ATTENTION_BWD=torch the backward instead recomputes each query block's scores in torch
+softmax row's logsumexp, and the two-pass Triton backward (`triton_bwd2.py`: each token's scores
+once into chunked buffers, then the gradients; memory O(S)). RL_V4_ATTENTION_BWD=triton_one_pass
+takes the one-pass Triton backward instead (`triton_bwd.py`: the scores recomputed in each of a
+token's D / DV programs, 2.3x slower at V4-Flash dims; kept for comparison), and
+RL_V4_ATTENTION_BWD=torch recomputes each query block's scores in torch
 (`chunked._block_attention`) and back-propagates through that block alone (memory O(block x
-keys); kept for comparison). RL_V4_ATTENTION_BWD=triton2 selects the two-pass Triton backward
-(`triton_bwd2.py`: each token's scores once into chunked buffers, then the gradients; on trial).
+keys)).
 Elsewhere: the chunked torch path, whose blocks are checkpointed (the same recompute-per-block
 backward, via autograd).
 """
@@ -21,7 +23,8 @@ from rl.models.v4_attention import chunked
 FORCE = os.environ.get("RL_V4_ATTENTION", "")
 """"torch" or "triton" overrides the choice by device (benchmarks, tests)."""
 BACKWARD = os.environ.get("RL_V4_ATTENTION_BWD", "triton")
-""""triton" (default), "triton2" or "torch": the Triton path's backward (benchmarks compare)."""
+""""triton" (default: two-pass), "triton_one_pass" or "torch": the Triton path's backward
+(benchmarks compare them)."""
 
 
 def _use_triton(q: torch.Tensor) -> bool:
@@ -41,10 +44,10 @@ class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, comp, sinks, topk, thr, valid, scale, window):
         from rl.models.v4_attention.triton_fwd import v4_attention_fwd
-        if BACKWARD not in ("triton", "triton2", "torch"):
-            raise ValueError(f"RL_V4_ATTENTION_BWD={BACKWARD!r}: expected triton, triton2 or "
-                             "torch")
-        ctx.scale, ctx.window, ctx.two_pass = scale, window, BACKWARD == "triton2"
+        if BACKWARD not in ("triton", "triton_one_pass", "torch"):
+            raise ValueError(f"RL_V4_ATTENTION_BWD={BACKWARD!r}: expected triton, "
+                             "triton_one_pass or torch")
+        ctx.scale, ctx.window, ctx.two_pass = scale, window, BACKWARD == "triton"
         ctx.flash = BACKWARD != "torch" and any(ctx.needs_input_grad)
         if not ctx.flash:
             ctx.save_for_backward(q, kv, comp, sinks, topk, thr, valid)

@@ -123,14 +123,14 @@ def test_load_model_runs_linear_attention_for_v4_by_default(preset_dirs):
 
 def _interpreted(call: str) -> list[str]:
     # The GPU path in Triton's CPU interpreter, in a fresh process: the interpreter must be on
-    # before anything imports triton. Backward tiles of DV=16 < head_dim 32: the split is tested;
-    # the two-pass backward's pass 2 reads tiles twice as wide as pass 1 writes.
+    # before anything imports triton. One-pass backward tiles of DV=16 < head_dim 32: the split is
+    # tested; the two-pass backward's pass 2 reads tiles twice as wide as pass 1 writes.
     env = {**os.environ, "TRITON_INTERPRET": "1", "RL_V4_ATTENTION_BWD_TILES": "16,16,4,1",
            "RL_V4_ATTENTION_BWD2_SCORES_TILES": "16,4,1",
            "RL_V4_ATTENTION_BWD2_GRADS_TILES": "32,16,4,1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    code = ("from tests.rl.models.test_v4_attention import indexer_case, triton_case, "
-            f"triton2_case; {call}")
+    code = ("from tests.rl.models.test_v4_attention import indexer_case, one_pass_case, "
+            f"triton_case; {call}")
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, timeout=900,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -138,25 +138,26 @@ def _interpreted(call: str) -> list[str]:
 
 
 def test_triton_path_matches_chunked_path():
-    # Triton forward + Triton backward, and Triton forward + the torch recompute backward,
-    # against the chunked path: fp32 output and every gradient, each layer kind, with padding.
-    assert _interpreted("triton_case('float32')") == ["csa", "hca", "sliding", "16,16,4,1"]
+    # Triton forward + the two-pass Triton backward (the default), and Triton forward + the
+    # torch recompute backward, against the chunked path: fp32 output and every gradient, each
+    # layer kind, with padding; then the pinned tiles of both passes (they ran).
+    assert _interpreted("triton_case('float32')") == [
+        "csa", "hca", "sliding", "16,4,1", "32,16,4,1"]
 
 
 @pytest.mark.slow
 def test_triton_path_in_bf16_matches_chunked_path():
-    assert _interpreted("triton_case('bfloat16')") == ["csa", "hca", "sliding", "16,16,4,1"]
-
-
-def test_two_pass_triton_backward_matches_chunked_path():
-    assert _interpreted("triton2_case('float32')") == [
+    assert _interpreted("triton_case('bfloat16')") == [
         "csa", "hca", "sliding", "16,4,1", "32,16,4,1"]
+
+
+def test_one_pass_triton_backward_matches_chunked_path():
+    assert _interpreted("one_pass_case('float32')") == ["csa", "hca", "sliding", "16,16,4,1"]
 
 
 @pytest.mark.slow
-def test_two_pass_triton_backward_in_bf16_matches_chunked_path():
-    assert _interpreted("triton2_case('bfloat16')") == [
-        "csa", "hca", "sliding", "16,4,1", "32,16,4,1"]
+def test_one_pass_triton_backward_in_bf16_matches_chunked_path():
+    assert _interpreted("one_pass_case('bfloat16')") == ["csa", "hca", "sliding", "16,16,4,1"]
 
 
 def _bf16_dots_in_interpreter():
@@ -193,22 +194,22 @@ def _modes_match_chunked(dtype_name: str, impls: tuple[str, ...]):
 
 
 def triton_case(dtype_name: str):
-    from rl.models.v4_attention import triton_bwd
-    _modes_match_chunked(dtype_name, ("triton", "triton_torch_bwd"))
-    (tiles,) = triton_bwd.TUNED.values()  # the Triton backward ran, with the pinned tiles
-    print(",".join(map(str, tiles)))
-
-
-def triton2_case(dtype_name: str):
-    """The two-pass backward (`triton_bwd2`), its buffers a few tokens' worth: per token 2 x 16
-    padded heads x 128 key columns (CSA, HCA; sliding 64) x 4 bytes (fp32; bf16 2), so chunks of
-    25 or 50 tokens run over the 2 x 29: two or three chunks, the last partial."""
+    """The default: the two-pass backward (`triton_bwd2`), its buffers a few tokens' worth: per
+    token 2 x 16 padded heads x 128 key columns (CSA, HCA; sliding 64) x 4 bytes (fp32; bf16 2),
+    so chunks of 25 or 50 tokens run over the 2 x 29: two or three chunks, the last partial."""
     from rl.models.v4_attention import triton_bwd2
     triton_bwd2.CHUNK_BYTES = 25 * 2 * 16 * 128 * 4
-    _modes_match_chunked(dtype_name, ("triton2",))
+    _modes_match_chunked(dtype_name, ("triton", "triton_torch_bwd"))
     for tiles in (triton_bwd2.SCORES, triton_bwd2.GRADS):  # both passes ran, pinned tiles
         (config,) = tiles.tuned.values()
         print(",".join(map(str, config)))
+
+
+def one_pass_case(dtype_name: str):
+    from rl.models.v4_attention import triton_bwd
+    _modes_match_chunked(dtype_name, ("triton_one_pass",))
+    (tiles,) = triton_bwd.TUNED.values()  # the one-pass backward ran, with the pinned tiles
+    print(",".join(map(str, tiles)))
 
 
 def indexer_case(dtype_name: str):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 IMPLS = {"chunked": ("torch", "triton"), "triton": ("triton", "triton"),
-         "triton2": ("triton", "triton2"), "triton_torch_bwd": ("triton", "torch")}
+         "triton_one_pass": ("triton", "triton_one_pass"), "triton_torch_bwd": ("triton", "torch")}
 """name -> (kernel.FORCE, kernel.BACKWARD): the chunked torch path, the Triton forward with the
-Triton backward, with the two-pass Triton backward, with the per-block torch recompute
+two-pass Triton backward (the default), with the one-pass one, with the per-block torch recompute
 backward."""
 NAMES = ["out", "dq", "dkv", "dcomp", "dsinks"]
 
