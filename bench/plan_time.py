@@ -71,14 +71,13 @@ MISSES = {
     "GEMMs) costs more: 0.77 with plan.decode_step_overhead_ms 1.08, 0.75 with 1.04",
     **{f"v4 layers 2 V4-Flash layers fwd+bwd {t} tokens (H100, fused)": "over-predicted: the "
        "matmuls are costed at plan.mfu (0.195, fitted on a Qwen3-0.6B ZeRO-2 step), where the "
-       "fused V4 layers without DeepSpeed run at 26-29% MFU (v4_layer_h100.md, measured "
-       "before the Triton indexer: its CSA layer's attention took ~95 ms more than the rate "
-       "now says); the same model under DeepSpeed (the moe actor step rows) runs slower than "
-       "plan.mfu, so the fit stays" for t in ("8,192", "18,432")},
+       "fused V4 layers without DeepSpeed run at 42-44% MFU (v4_layer_h100.md); the same model "
+       "under DeepSpeed (the moe actor step rows, older kernels) ran slower than plan.mfu, so "
+       "the fit stays until a 2-GPU rerun" for t in ("8,192", "18,432")},
     **{f"moe actor step ZeRO-3, {setup} (2 layer(s), 64 experts, 16,384 tokens)": "under-"
        "predicted: measured on 2026-12-01 with transformers' decoder layer and the V4 attention "
        "backward that recomputed each query block in torch and the indexer scored in torch (a CSA "
-       "layer 428 ms at 18,432 tokens, 166.9 now); the preset costs today's kernels (0.77 / "
+       "layer 428 ms at 18,432 tokens, 79.2 now); the preset costs today's kernels (0.77 / "
        "0.76 while every layer was costed at the older CSA rate). Re-measure with "
        "`bash bench/run_gpu.sh moe_actor` on 2 GPUs" for setup in ("no EP", "EP=2")},
 }

@@ -58,17 +58,18 @@ class Device:
 # H200: measured on 2 x H200 (NVLink) in bench/results (train.json bf16 peak 791, rollout.json
 # copy 4,144 GB/s, weight_sync.json flat NCCL broadcast 368 GB/s); the V4 attention rates are
 # one layer with the Triton forward and backward at 18,432 tokens on an H100 (the H200's
-# compute; the kernel is bound by compute and latency, not HBM): CSA 166.9 ms with the Triton
-# indexer (v4_attention_h100_csa.json), HCA 92.9 ms (v4_attention_h100_hca.json), sliding-only
-# 80.7 ms (v4_attention_h100_sliding.json);
+# compute; the kernel is bound by compute and latency, not HBM), with the Triton indexer, the
+# two-pass backward and the compiled query / output chains: CSA 79.2 ms
+# (v4_attention_h100_csa.json), HCA 42.7 ms (v4_attention_h100_hca.json), sliding-only 37.3 ms
+# (v4_attention_h100_sliding.json);
 # IB is the DGX H200 datasheet's one 400 Gb/s ConnectX-7 per GPU.
 # MI300X: AMD datasheet (1,307 TFLOP/s dense BF16, 5.3 TB/s HBM3, 7 x 64 GB/s Infinity Fabric
 # links per GPU = 448 GB/s), 400 Gb/s NIC per GPU; nothing measured here.
 DEVICES = {
     "h200": Device("h200", 791.0, 4144.0, 368.0, 50.0,
-                   {"compressed_sparse_attention": 166.9e3 / 18432,
-                    "heavily_compressed_attention": 92.9e3 / 18432,
-                    "sliding_attention": 80.7e3 / 18432},
+                   {"compressed_sparse_attention": 79.2e3 / 18432,
+                    "heavily_compressed_attention": 42.7e3 / 18432,
+                    "sliding_attention": 37.3e3 / 18432},
                    "measured in bench/results (train, rollout, weight_sync, v4_attention_h100*); "
                    "inter-node: DGX H200 datasheet"),
     "mi300x": Device("mi300x", 1307.0, 5300.0, 448.0, 50.0, None,
