@@ -1,4 +1,7 @@
-"""Triton backward of `v4_attention` (flash-style: recompute the scores from the saved logsumexp).
+"""One-pass Triton backward of `v4_attention` (flash-style: recompute the scores from the saved
+logsumexp). Kept for comparison (`RL_V4_ATTENTION_BWD=triton_one_pass`): the default is the
+two-pass `triton_bwd2.py`, 2.3x faster at V4-Flash dims. The tile timing (`Tiles`) and the operand
+preparation (`_operands`) here serve both.
 
 A program takes one token's (padded) heads, as the forward does, and walks the same keys in
 BLOCK_N tiles (sliding window, then HCA's prefix or CSA's gathered picks). Per tile, with

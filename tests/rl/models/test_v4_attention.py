@@ -273,3 +273,24 @@ def test_indexer_head_dim_the_triton_tiles_cannot_take_runs_in_torch(monkeypatch
     want = compress.indexer_topk(indexer, x, residual, pos)
     monkeypatch.setattr(kernel, "FORCE", "triton")
     assert torch.equal(compress.indexer_topk(indexer, x, residual, pos), want)
+
+
+def test_bad_backward_switch_and_tile_pins_are_one_line_errors(monkeypatch):
+    from rl.models.v4_attention import kernel, triton_bwd, triton_bwd2
+    from tests.rl.models.v4_attention_cases import make_case
+    case = make_case("sliding")
+    monkeypatch.setattr(kernel, "FORCE", "triton")
+    monkeypatch.setattr(kernel, "BACKWARD", "triton2")
+    with pytest.raises(ValueError, match="RL_V4_ATTENTION_BWD='triton2': expected triton, "
+                                         "triton_one_pass or torch"):
+        kernel.attention(case["q"], case["kv"], None, None, None, None, case["sinks"], 1.0, 6)
+    # the pins: BLOCK_N past the buffers' padding, a DV that does not divide head_dim, a field
+    # missing, not numbers
+    for tiles, text, want in ((triton_bwd2.SCORES, "128,8,1", "BLOCK_N >= 16 and <= 64"),
+                              (triton_bwd2.GRADS, "64,48,4,2", "DV >= 16 dividing head_dim 512"),
+                              (triton_bwd.TILES, "32,256,8", "BLOCK_N,DV,num_warps,num_stages"),
+                              (triton_bwd2.GRADS, "a,b,c,d", "BLOCK_N,DV,num_warps,num_stages")):
+        monkeypatch.setenv(tiles.env, text)
+        with pytest.raises(ValueError, match=f"{tiles.env}='{text}': expected .*{want}"):
+            tiles((512, 64, torch.float64), None)
+    assert (512, 64, torch.float64) not in triton_bwd2.GRADS.tuned
