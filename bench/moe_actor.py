@@ -12,6 +12,8 @@ the larger buffer (the gathered output, the scattered input, the all-to-all inpu
 hash-routed layers (all MoE layers are learned-routed here) and the weight sync.
 
 Run: python -m bench.moe_actor   (2 GPUs; `deepspeed` importable)
+     python -m bench.moe_actor --ranks 1 --zero-stage 2 --ep 1   (one GPU: the DeepSpeed step's
+     own cost on the fused V4 layers, no collectives; writes moe_actor_1gpu_zero2.{json,md})
 """
 from __future__ import annotations
 
@@ -140,16 +142,18 @@ def run(model_dir: str, ep: int, gpu: bool, args, batch) -> dict:
     from rl.config import AlgorithmConfig, SyncConfig, TrainerConfig
     from rl.trainer.worker import RankInfo
 
-    cfg = TrainerConfig(num_ranks=2, zero_stage=3, device="cuda" if gpu else "cpu", lr=1e-6,
+    n = args.ranks
+    cfg = TrainerConfig(num_ranks=n, zero_stage=args.zero_stage, device="cuda" if gpu else "cpu",
+                        lr=1e-6,
                         micro_batch_tokens=args.micro_batch_tokens if gpu else 64,
                         activation_checkpointing=True, expert_parallel_size=ep,
                         torch_threads=4 if gpu else 1)
     port = free_port()
     ranks = [ProcActor(CountingWorker, cfg, AlgorithmConfig(kl_coef=0.0), SyncConfig(),
                        model_dir, "bfloat16" if gpu else "float32",
-                       RankInfo(rank=r, world_size=2, master_addr="127.0.0.1", master_port=port),
+                       RankInfo(rank=r, world_size=n, master_addr="127.0.0.1", master_port=port),
                        0, 10, name=f"ep{ep}-rank{r}", env={"LOCAL_RANK": str(r)})
-             for r in range(2)]
+             for r in range(n)]
     try:
         wait_all([a.ready for a in ranks], timeout=1200)
         steps = [wait_all([a.call("measured_step", batch, s) for a in ranks], timeout=1200)
@@ -180,12 +184,20 @@ def main() -> None:
         p.add_argument("--micro-batch-tokens", type=int, default=4096),
         p.add_argument("--steps", type=int, default=3),
         p.add_argument("--ep", default="1,2", help="expert-parallel sizes to run, comma list"),
+        p.add_argument("--ranks", type=int, default=2, choices=(1, 2),
+                       help="trainer ranks, one GPU each"),
+        p.add_argument("--zero-stage", type=int, default=3, choices=(2, 3)),
         p.add_argument("--profile", action="store_true",
                        help="after the timed steps, one step under torch.profiler per setup: "
                             "<out>/moe_actor_profile_ep<N>.txt")))
     gpu = not args.smoke
-    if gpu and torch.cuda.device_count() < 2:
-        raise SystemExit("bench.moe_actor needs 2 GPUs (or --smoke on CPU)")
+    eps = [int(e) for e in args.ep.split(",")]
+    if any(e > args.ranks or args.ranks % e for e in eps):
+        raise SystemExit(f"bench.moe_actor: --ep {args.ep} with --ranks {args.ranks}: each "
+                         "expert-parallel size must divide the ranks")
+    if gpu and torch.cuda.device_count() < args.ranks:
+        raise SystemExit(f"bench.moe_actor needs {args.ranks} GPU(s) (or --smoke on CPU)")
+    ranks = args.ranks
     peak = measure_bf16_peak("cuda" if gpu else "cpu", 8192 if gpu else 256)
     model_dir, counts = v4_model_dir(gpu, args.layers, args.experts)
     seqs, prompt, response = (args.seqs, args.prompt, args.response) if gpu else (4, 8, 8)
@@ -202,13 +214,13 @@ def main() -> None:
     active = total - counts["routed"] * (1 - counts["top_k"] / counts["experts"]) - counts["embed"]
     tokens = seqs * (prompt + response)
     rows = []
-    for ep in (int(e) for e in args.ep.split(",")):
+    for ep in eps:
         r = run(model_dir, ep, gpu, args, batch)
         flops = 6 * active * tokens
         rows.append({
-            "setup": "ZeRO-3, EP=2" if ep == 2 else "ZeRO-3, no EP", "seconds_per_step":
-            r["seconds"], "tokens_per_s_per_gpu": tokens / r["seconds"] / 2,
-            "MFU_active": flops / r["seconds"] / (2 * peak * 1e12),
+            "setup": f"ZeRO-{args.zero_stage}, " + ("EP=2" if ep == 2 else "no EP"),
+            "seconds_per_step": r["seconds"], "tokens_per_s_per_gpu": tokens / r["seconds"] / ranks,
+            "MFU_active": flops / r["seconds"] / (ranks * peak * 1e12),
             "all_gather_GB": r["comm"].get("all_gather", 0) / 1e9,
             "reduce_scatter_GB": r["comm"].get("reduce_scatter", 0) / 1e9,
             "all_to_all_GB": r["comm"].get("all_to_all_single", 0) / 1e9,
@@ -218,14 +230,17 @@ def main() -> None:
     notes = [f"model: DeepSeek-V4 {'Flash dims' if gpu else 'tiny preset'}, {layers} layers, "
              f"{counts['experts']} experts top-{counts['top_k']}, {total / 1e9:.2f} B "
              f"parameters, {active / 1e9:.3f} B active (matmul, routed at top_k / E)",
-             f"batch: {seqs} x ({prompt} + {response}) tokens = {tokens} per step over 2 ranks, "
+             f"batch: {seqs} x ({prompt} + {response}) tokens = {tokens} per step over {ranks} "
+             f"rank{'s' if ranks > 1 else ''}, "
              f"micro-batches of {args.micro_batch_tokens if gpu else 64} tokens, activation "
              f"checkpointing, {'bf16' if gpu else 'fp32'}, torch AdamW; median of the steps "
              "after 1 warm-up",
              f"bf16 matmul peak measured in this run: {peak:,.0f} TFLOP/s",
              "communication: bytes per step on the busier rank, counted per call on the larger "
              "buffer (gathered output, scattered input, all-to-all input)"]
-    write_results("moe_actor" + ("_smoke" if args.smoke else ""), args.out,
+    name = "moe_actor" if (ranks, args.zero_stage) == (2, 3) else (
+        f"moe_actor_{ranks}gpu_zero{args.zero_stage}")
+    write_results(name + ("_smoke" if args.smoke else ""), args.out,
                   {**device_info(), "bf16_peak_TFLOPs": peak}, rows, list(rows[0]), notes)
 
 

@@ -13,6 +13,8 @@
 #                                            one call's 600 s)
 #                                            moe_actor (2 H200: V4-shaped actor, EP=2 vs ZeRO-3;
 #                                            MOE_ACTOR_ARGS="--ep 2 --profile" adds a profile)
+#                                            moe_actor_1gpu (one GPU: the same actor step under
+#                                            ZeRO-2, 32 experts: DeepSpeed's own cost)
 #                                            export (one GPU, .whl with deepspeed: launch.export
 #                                            in both formats on a real ZeRO-3 checkpoint of two
 #                                            V4-Flash layers, vs a plain copy and zero_to_fp32;
@@ -110,6 +112,10 @@ for s in $sections; do
         tests_v4layer) run tests_v4layer 360 python3 -m pytest -q -p no:cacheprovider -s \
                            tests/gpu/test_v4_layer_gpu.py ;;
         moe_actor) run moe_actor 900 python3 -m bench.moe_actor --out "$OUT" ${MOE_ACTOR_ARGS:-} ;;
+        # one GPU: the V4 actor step under DeepSpeed ZeRO-2 (no collectives), 32 experts so that
+        # its optimizer state fits 80 GB; MOE_ACTOR_ARGS adds options (--profile)
+        moe_actor_1gpu) run moe_actor_1gpu 560 python3 -m bench.moe_actor --out "$OUT" \
+                            --ranks 1 --zero-stage 2 --ep 1 --experts 32 ${MOE_ACTOR_ARGS:-} ;;
         tests_packing) run tests_packing 200 python3 -m pytest -q -p no:cacheprovider -s \
                            tests/gpu/test_packing_gpu.py ;;
         packing) run tests_packing 200 python3 -m pytest -q -p no:cacheprovider \
