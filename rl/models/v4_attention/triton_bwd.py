@@ -24,22 +24,38 @@ import torch
 import triton
 import triton.language as tl
 
+from rl.models.v4_attention.triton_fwd import _window_keys
+
 
 @triton.jit
-def _tile(q, do, qv, dov, rows, drows, ok, offs_d, offs_dv, lse, delta, dq, scale):
-    # rows / drows: (BLOCK_N,) pointers to each key's first channel in kv or comp / in its
-    # fp32 gradient; ok: which keys count. q, do: (H, D); qv, dov: their (H, DV) slices.
+def _probs(q, do, rows, ok, offs_d, lse, delta, scale):
+    # p = exp(s - lse) and ds = p * (dO.v - delta) * scale of a key tile, (H, N) fp32, 0 where
+    # a key does not count. rows: (BLOCK_N,) pointers to each key's first channel in kv or
+    # comp; ok: which keys count; q, do: (H, D).
     k = tl.load(rows[None, :] + offs_d[:, None], mask=ok[None, :], other=0.0)  # (D, N)
     s = tl.dot(q, k) * scale  # (H, N) fp32
     p = tl.where(ok[None, :], tl.exp(s - lse[:, None]), 0.0)
-    dp = tl.dot(do, k)
-    ds = p * (dp - delta[:, None]) * scale
+    ds = p * (tl.dot(do, k) - delta[:, None]) * scale
+    return p, ds
+
+
+@triton.jit
+def _key_grads(p, ds, qv, dov, rows, drows, ok, offs_dv, dq):
+    # dq += ds @ v; each key's ds^T @ q + p^T @ dO added atomically into its fp32 gradient row
+    # (drows: (BLOCK_N,) pointers to its first channel). qv, dov: (H, DV) slices of q, dO.
     v = tl.load(rows[:, None] + offs_dv[None, :], mask=ok[:, None], other=0.0)  # (N, DV)
     dq = tl.dot(ds.to(v.dtype), v, dq)
     dkv = tl.dot(tl.trans(ds.to(qv.dtype)), qv)
     dkv = tl.dot(tl.trans(p.to(dov.dtype)), dov, dkv)  # (N, DV) fp32
     tl.atomic_add(drows[:, None] + offs_dv[None, :], dkv, mask=ok[:, None], sem="relaxed")
     return dq
+
+
+@triton.jit
+def _tile(q, do, qv, dov, rows, drows, ok, offs_d, offs_dv, lse, delta, dq, scale):
+    # One key tile, scores recomputed: `_probs`, then `_key_grads`.
+    p, ds = _probs(q, do, rows, ok, offs_d, lse, delta, scale)
+    return _key_grads(p, ds, qv, dov, rows, drows, ok, offs_dv, dq)
 
 
 @triton.jit
@@ -77,10 +93,7 @@ def _v4_attn_bwd(q_ptr, o_ptr, do_ptr, kv_ptr, comp_ptr, topk_ptr, thr_ptr, vali
     dq = tl.zeros((BLOCK_H, DV), tl.float32)
     # sliding window: keys t - window + 1 .. t
     for n0 in range(0, window, BLOCK_N):
-        j = t - window + 1 + n0 + offs_n
-        ok = (j >= 0) & (j <= t)
-        if HAS_VALID:
-            ok = ok & (tl.load(valid_ptr + b * S + j, mask=ok, other=0) != 0)
+        j, ok = _window_keys(t, n0, offs_n, window, valid_ptr + b * S, HAS_VALID)
         at = (b * S + j) * D
         dq = _tile(q, do, qv, dov, kv_ptr + at, dkv_ptr + at, ok, offs_d, offs_dv, lse, delta,
                    dq, scale)

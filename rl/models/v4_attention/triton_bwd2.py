@@ -31,7 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from rl.models.v4_attention.triton_bwd import Tiles, _coprime_stride, _operands
+from rl.models.v4_attention.triton_bwd import (Tiles, _coprime_stride, _key_grads, _operands,
+                                               _probs)
+from rl.models.v4_attention.triton_fwd import _window_keys
 
 PAD = 64
 """Key columns of the window part and of the picks / prefix part are padded to a multiple of this
@@ -42,12 +44,9 @@ CHUNK_BYTES = 1 << 30
 
 @triton.jit
 def _scores_tile(q, do, rows, ok, offs_d, lse, delta, scale, p_at, ds_at):
-    # rows: (BLOCK_N,) pointers to each key's first channel; ok: which keys count; p_at / ds_at:
-    # (H, N) pointers to the tile's place in the buffers.
-    k = tl.load(rows[None, :] + offs_d[:, None], mask=ok[None, :], other=0.0)  # (D, N)
-    s = tl.dot(q, k) * scale  # (H, N) fp32
-    p = tl.where(ok[None, :], tl.exp(s - lse[:, None]), 0.0)
-    ds = p * (tl.dot(do, k) - delta[:, None]) * scale
+    # `triton_bwd._probs` of a key tile, stored at p_at / ds_at: (H, N) pointers to the tile's
+    # place in the buffers.
+    p, ds = _probs(q, do, rows, ok, offs_d, lse, delta, scale)
     tl.store(p_at, p.to(p_at.dtype.element_ty))
     tl.store(ds_at, ds.to(ds_at.dtype.element_ty))
 
@@ -80,10 +79,7 @@ def _bwd_scores(q_ptr, o_ptr, do_ptr, kv_ptr, comp_ptr, topk_ptr, thr_ptr, valid
     at = (c * BLOCK_H + offs_h[:, None]) * n_cols + offs_n[None, :]  # (H, N) buffer offsets
     # sliding window: keys t - window + 1 .. t, columns 0 .. window - 1
     for n0 in range(0, window, BLOCK_N):
-        j = t - window + 1 + n0 + offs_n
-        ok = (j >= 0) & (j <= t)
-        if HAS_VALID:
-            ok = ok & (tl.load(valid_ptr + b * S + j, mask=ok, other=0) != 0)
+        j, ok = _window_keys(t, n0, offs_n, window, valid_ptr + b * S, HAS_VALID)
         _scores_tile(q, do, kv_ptr + (b * S + j) * D, ok, offs_d, lse, delta, scale,
                      p_ptr + at + n0, ds_ptr + at + n0)
     if MODE == 1:  # CSA: the indexer's picks (-1 = none), columns w_cols + pick
@@ -102,16 +98,9 @@ def _bwd_scores(q_ptr, o_ptr, do_ptr, kv_ptr, comp_ptr, topk_ptr, thr_ptr, valid
 
 @triton.jit
 def _grads_tile(p_at, ds_at, qv, dov, rows, drows, ok, offs_dv, dq):
-    # p_at / ds_at: (H, N) pointers into the buffers (0 where a key does not count); rows /
-    # drows: (BLOCK_N,) pointers to each key's first channel in kv or comp / its fp32 gradient.
-    p = tl.load(p_at)
-    ds = tl.load(ds_at)
-    v = tl.load(rows[:, None] + offs_dv[None, :], mask=ok[:, None], other=0.0)  # (N, DV)
-    dq = tl.dot(ds.to(v.dtype), v, dq)
-    dkv = tl.dot(tl.trans(ds.to(qv.dtype)), qv)
-    dkv = tl.dot(tl.trans(p.to(dov.dtype)), dov, dkv)  # (N, DV) fp32
-    tl.atomic_add(drows[:, None] + offs_dv[None, :], dkv, mask=ok[:, None], sem="relaxed")
-    return dq
+    # `triton_bwd._key_grads` of the tile pass 1 stored at p_at / ds_at ((H, N) pointers into
+    # the buffers, 0 where a key does not count).
+    return _key_grads(tl.load(p_at), tl.load(ds_at), qv, dov, rows, drows, ok, offs_dv, dq)
 
 
 @triton.jit
@@ -139,10 +128,7 @@ def _bwd_grads(q_ptr, do_ptr, kv_ptr, comp_ptr, topk_ptr, thr_ptr, valid_ptr, p_
     at = (c * BLOCK_H + offs_h[:, None]) * n_cols + offs_n[None, :]
     dq = tl.zeros((BLOCK_H, DV), tl.float32)
     for n0 in range(0, window, BLOCK_N):
-        j = t - window + 1 + n0 + offs_n
-        ok = (j >= 0) & (j <= t)
-        if HAS_VALID:
-            ok = ok & (tl.load(valid_ptr + b * S + j, mask=ok, other=0) != 0)
+        j, ok = _window_keys(t, n0, offs_n, window, valid_ptr + b * S, HAS_VALID)
         rows = (b * S + j) * D
         dq = _grads_tile(p_ptr + at + n0, ds_ptr + at + n0, qv, dov, kv_ptr + rows,
                          dkv_ptr + rows, ok, offs_dv, dq)

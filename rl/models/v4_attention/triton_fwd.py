@@ -18,6 +18,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _window_keys(t, n0, offs_n, window, valid_row, HAS_VALID: tl.constexpr):
+    # Token t's sliding-window keys n0 .. n0 + BLOCK_N - 1 of t - window + 1 .. t: their
+    # positions j and which count (causal, in the sequence, not padding; valid_row: the
+    # sequence's padding flags).
+    j = t - window + 1 + n0 + offs_n
+    ok = (j >= 0) & (j <= t)
+    if HAS_VALID:
+        ok = ok & (tl.load(valid_row + j, mask=ok, other=0) != 0)
+    return j, ok
+
+
+@triton.jit
 def _tile(q, rows, ok, offs_d, offs_dv, m_i, l_i, acc, scale):
     # rows: (BLOCK_N,) pointers to the first channel of each key row; ok: which rows count.
     k = tl.load(rows[None, :] + offs_d[:, None], mask=ok[None, :], other=0.0)  # (D, N)
@@ -56,10 +68,7 @@ def _v4_attn_fwd(q_ptr, kv_ptr, comp_ptr, topk_ptr, thr_ptr, valid_ptr, sinks_pt
     kv_b = kv_ptr + b.to(tl.int64) * S * D
     # sliding window: keys t - window + 1 .. t
     for n0 in range(0, window, BLOCK_N):
-        j = t - window + 1 + n0 + offs_n
-        ok = (j >= 0) & (j <= t)
-        if HAS_VALID:
-            ok = ok & (tl.load(valid_ptr + b * S + j, mask=ok, other=0) != 0)
+        j, ok = _window_keys(t, n0, offs_n, window, valid_ptr + b * S, HAS_VALID)
         m_i, l_i, acc = _tile(q, kv_b + j.to(tl.int64) * D, ok, offs_d, offs_dv, m_i, l_i, acc,
                               scale)
     comp_b = comp_ptr + b.to(tl.int64) * T * D
