@@ -287,8 +287,8 @@ def main() -> None:
         p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 18432]),
         p.add_argument("--impl", nargs="+", default=["eager", *LAYER_IMPLS],
                        choices=["eager", *LAYER_IMPLS]),
-        p.add_argument("--core", nargs="*", default=["triton", "triton_one_pass", "triton_torch_bwd"],
-                       choices=list(IMPLS)),
+        p.add_argument("--core", nargs="*", choices=list(IMPLS),
+                       default=["triton", "triton_one_pass", "triton_torch_bwd"]),
         p.add_argument("--layer", default="csa", choices=sorted(LAYERS)),
         p.add_argument("--reps", type=int, default=3)))
     if args.smoke:  # tiny CPU check of the script itself
@@ -348,8 +348,8 @@ def _notes(args, params: int, peak: float) -> list[str]:
             "layer rows: triton = rl.models.v4_attention on GPU as the trainer runs it (Triton "
             "forward, two-pass Triton backward: scores once per token into buffers, then the "
             "gradients); triton_one_pass = the same with RL_V4_ATTENTION_BWD=triton_one_pass "
-            "(the scores recomputed in each D / DV program); triton_torch_bwd = the same with RL_V4_ATTENTION_BWD="
-            "torch (backward recomputing each query block in torch); triton_torch_indexer = "
+            "(the scores recomputed in each D / DV program); triton_torch_bwd = the same with "
+            "RL_V4_ATTENTION_BWD=torch (backward recomputing each query block in torch); triton_torch_indexer = "
             "triton with the CSA indexer's scores in torch (RL_V4_INDEXER=torch: per-head "
             "scores materialised a query block at a time), where triton scores them in one "
             "Triton pass (rl.models.v4_attention.triton_indexer); torch = its chunked CPU "

@@ -84,9 +84,9 @@ def test_one_pass_backward_matches_chunked(mode, dtype, report):
 @pytest.mark.parametrize("mode", ["csa", "hca", "sliding"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_two_pass_backward_matches_chunked(mode, dtype, report, monkeypatch):
-    """`triton_bwd2` (the default) beside `triton_bwd`, both against the chunked path in fp32, on the cases
-    above; buffers of 500 tokens (bf16) or 1,000 (fp32): the 1,536 or 1,024 tokens in chunks,
-    the last partial."""
+    """`triton_bwd2` (the default) beside `triton_bwd`, both against the chunked path in fp32,
+    on the cases above; buffers of 500 tokens (bf16) or 1,000 (fp32): the 1,536 or 1,024 tokens
+    in chunks, the last partial."""
     from rl.models.v4_attention import triton_bwd2
     case = _bwd_case(mode, dtype)
     key = _tiles_key(case, dtype)

@@ -60,8 +60,7 @@ class LinearV4Attention(DeepseekV4Attention):
         # q and kv exactly as DeepseekV4Attention.forward builds them.
         q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
         tokens = batch * seq_len
-        cos_T, sin_T = cos.expand(batch, -1, -1).reshape(tokens, -1), sin.expand(
-            batch, -1, -1).reshape(tokens, -1)
+        cos_T, sin_T = (x.expand(batch, -1, -1).reshape(tokens, -1) for x in (cos, sin))
         q = _q_prep(self.q_b_proj(q_residual).view(tokens, -1, self.head_dim), cos_T, sin_T,
                     self.q_b_norm.eps)
         q = q.view(batch, seq_len, -1, self.head_dim).transpose(1, 2)  # (B, H, S, D)
