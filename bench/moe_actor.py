@@ -86,14 +86,21 @@ class CountingWorker(TrainerWorker):
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                           if self.device.type == "cuda" else [])
+        t0 = time.perf_counter()
         with profile(activities=acts) as prof:
             self.train_step(batch, step)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
         if self.rank == 0:
             key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-            Path(path).write_text(prof.key_averages().table(sort_by=key, row_limit=45,
-                                                            max_name_column_width=70))
+            events = prof.key_averages()
+            phases = [e for e in events if e.key.startswith("rl.")]
+            lines = [f"wall {wall:.3f} s (under the profiler)", "phases (host time / device time):"]
+            lines += [f"  {e.key:<20} x{e.count:<3} host {e.cpu_time_total / 1e6:8.3f} s   "
+                      f"device {e.device_time_total / 1e6:8.3f} s" for e in phases]
+            Path(path).write_text("\n".join(lines) + "\n\n" + events.table(
+                sort_by=key, row_limit=45, max_name_column_width=70))
 
 
 def v4_model_dir(gpu: bool, layers: int, experts: int) -> tuple[str, dict]:

@@ -319,7 +319,8 @@ class TrainerWorker:
         advantages = torch.tensor(batch.advantages, dtype=torch.float32)
         mbs = micro_batches(batch, mine, self.cfg.micro_batch_tokens, self.world_size,
                             packed=self.cfg.pack_sequences)
-        frozen = self._frozen_logprobs(mbs)
+        with torch.profiler.record_function("rl.frozen_logprobs"):
+            frozen = self._frozen_logprobs(mbs)
         old_logprobs = _old_logprobs_by_sample(mbs, frozen)
         acc = _StepSums()
         rng = random.Random(step * 7919 + 17)
@@ -330,7 +331,8 @@ class TrainerWorker:
             # without a backward breaks ZeRO-3, so they are skipped (the same on every rank).
             for group in np.array_split(np.array(order, dtype=np.int64), self.cfg.num_mini_batches):
                 if len(group):
-                    self._update([(mbs[i], frozen[i]) for i in group], advantages, step, acc)
+                    with torch.profiler.record_function("rl.update"):
+                        self._update([(mbs[i], frozen[i]) for i in group], advantages, step, acc)
         metrics = self._reduce_stats(acc, time.perf_counter() - t0)
         return TrainStats(metrics=metrics, old_logprobs=old_logprobs)
 
@@ -368,10 +370,12 @@ class TrainerWorker:
                 loss, st = self._micro_loss(mb, frozen, advantages, denom, step)
                 finite = finite and bool(torch.isfinite(loss))
                 # DeepSpeed averages gradients over ranks; the denominator is already global.
-                self.engine.backward(loss * mb.weight * self.world_size)
+                with torch.profiler.record_function("rl.backward"):
+                    self.engine.backward(loss * mb.weight * self.world_size)
             if mb.weight > 0:
                 acc.add(st, int(mb.attention_mask.sum()))
-        applied = self._step_if_finite(finite)
+        with torch.profiler.record_function("rl.optimizer_step"):
+            applied = self._step_if_finite(finite)
         acc.skipped += not applied
         norm = self.engine.get_global_grad_norm() if applied else None
         if norm is not None:  # None: not computed (ZeRO-0)
