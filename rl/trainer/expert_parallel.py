@@ -34,7 +34,9 @@ too, and `launch.plan` counts them there.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import os
+import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -58,16 +60,52 @@ def is_experts_module(module: nn.Module) -> bool:
 
 
 @dataclass(slots=True)
+class Stage:
+    """One hop of the dispatch: an all-to-all over `group` (`size` ranks), each (token, expert)
+    pick going to position `(owner // div) % size` of it, `owner` the pick's EP rank."""
+    group: object
+    size: int
+    div: int
+
+    def dest(self, owner: torch.Tensor) -> torch.Tensor:
+        return (owner // self.div) % self.size
+
+
+@dataclass(slots=True)
 class EPGroups:
     ep_size: int
     ep_rank: int
     ep_group: object
     edp_group: object
     """The ranks holding the same expert shard (size world / EP)."""
+    stages: list[Stage] = field(default_factory=list)
+    """The dispatch's hops: one over `ep_group` (flat), or two when the EP group spans nodes
+    (hierarchical): across nodes to the peer of the same local rank, then inside the node."""
 
 
-def make_groups(world_size: int, rank: int, ep_size: int) -> EPGroups:
-    """Collective: every rank creates every group, in the same order (torch requires it)."""
+def ranks_per_node(world_size: int) -> int:
+    """Collective: the trainer ranks each node holds, from the ranks' host names, when every node
+    holds the same number of consecutive ranks; 0 otherwise. `RL_EP_NODE_SIZE` overrides it
+    (tests run "nodes" on one host with it)."""
+    pinned = os.environ.get("RL_EP_NODE_SIZE")
+    if pinned:
+        if not pinned.isdigit() or int(pinned) < 1 or world_size % int(pinned):
+            raise ValueError(f"RL_EP_NODE_SIZE={pinned!r}: expected a whole number of ranks per "
+                             f"node that divides the {world_size} trainer ranks")
+        return int(pinned)
+    hosts: list[str] = [""] * world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    size = hosts.count(hosts[0])
+    if world_size % size or any(hosts[i] != hosts[i - i % size] for i in range(world_size)) \
+            or len(set(hosts)) != world_size // size:
+        return 0
+    return size
+
+
+def make_groups(world_size: int, rank: int, ep_size: int, node_size: int = 0) -> EPGroups:
+    """Collective: every rank creates every group, in the same order (torch requires it). With
+    `node_size` (ranks per node, consecutive) smaller than `ep_size` and dividing it, the
+    dispatch goes in two hops (`EPGroups.stages`); otherwise in one."""
     if world_size % ep_size:
         raise ValueError(f"expert_parallel_size {ep_size} does not divide {world_size} ranks")
     ep_group = edp_group = None
@@ -79,8 +117,24 @@ def make_groups(world_size: int, rank: int, ep_size: int) -> EPGroups:
         g = dist.new_group(list(range(j, world_size, ep_size)))
         if rank % ep_size == j:
             edp_group = g
-    return EPGroups(ep_size=ep_size, ep_rank=rank % ep_size, ep_group=ep_group,
-                    edp_group=edp_group)
+    ep_rank = rank % ep_size
+    stages = [Stage(ep_group, ep_size, 1)]
+    if 1 < node_size < ep_size and ep_size % node_size == 0:
+        nodes, base = ep_size // node_size, rank - ep_rank
+        across = inside = None
+        for start in range(0, world_size, ep_size):
+            for j in range(node_size):  # the same local rank on each node of the EP group
+                g = dist.new_group([start + m * node_size + j for m in range(nodes)])
+                if start == base and ep_rank % node_size == j:
+                    across = g
+            for m in range(nodes):
+                g = dist.new_group(list(range(start + m * node_size,
+                                              start + (m + 1) * node_size)))
+                if start == base and ep_rank // node_size == m:
+                    inside = g
+        stages = [Stage(across, nodes, node_size), Stage(inside, node_size, 1)]
+    return EPGroups(ep_size=ep_size, ep_rank=ep_rank, ep_group=ep_group, edp_group=edp_group,
+                    stages=stages)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -101,6 +155,44 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
+@dataclass(slots=True)
+class _Hop:
+    """What one dispatch hop sent, for the combine to come back: the source row of each sent
+    row and the counts each way."""
+    rows: torch.Tensor
+    send: list[int]
+    recv: list[int]
+    group: object
+
+
+def _dispatch(stage: Stage, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+              per_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Hop]:
+    """One hop: each row of `x` (with its picks `experts` (R, K), -1 for none, and `weights`
+    (R, K)) goes once to every position of the stage's group that owns one of its picks,
+    carrying only those picks. Returns the received rows, picks, weights and the hop."""
+    valid = experts >= 0
+    dest = torch.where(valid, stage.dest(experts.clamp(min=0) // per_rank), -1)
+    here = dest[:, None, :] == torch.arange(stage.size, device=x.device)[None, :, None]
+    wanted = here.any(dim=2)                           # (R, size): row goes to that position
+    to, rows = wanted.T.nonzero(as_tuple=True)         # by destination, then row
+    send_counts = wanted.sum(dim=0)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=stage.group)
+    send, recv = send_counts.tolist(), recv_counts.tolist()
+    picks = torch.where(here[rows, to], experts[rows], -1)
+    got = torch.empty((sum(recv), picks.shape[1]), dtype=picks.dtype, device=picks.device)
+    dist.all_to_all_single(got, picks.contiguous(), recv, send, group=stage.group)
+    hop = _Hop(rows, send, recv, stage.group)
+    return (_AllToAll.apply(x[rows], recv, send, stage.group), got,
+            _AllToAll.apply(weights[rows], recv, send, stage.group), hop)
+
+
+def _combine(hop: _Hop, y: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The way back of `hop`: the received rows' results return and are summed per source row."""
+    y = _AllToAll.apply(y, hop.send, hop.recv, hop.group)
+    return y.new_zeros((num_rows, *y.shape[1:])).index_add_(0, hop.rows, y)
+
+
 def _local_copy(source: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Module:
     """An instance of `source`'s class holding `weights` (this rank's experts): same plain
     attributes (config, activation limit...) and child modules (the activation), fresh hooks."""
@@ -118,7 +210,13 @@ def _local_copy(source: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Modul
 
 class ShardedExperts(nn.Module):
     """Drop-in for an HF experts module: forward(hidden (T, H), top_k_index (T, K),
-    top_k_weights (T, K)) -> (T, H), computing the experts this rank does not hold remotely."""
+    top_k_weights (T, K)) -> (T, H), computing the experts this rank does not hold remotely.
+
+    A token travels once to each rank that owns one of its picks (not once per pick), and the
+    owner sends back one row per token: its picks' outputs, weighted and summed. When the EP
+    group spans nodes (`EPGroups.stages`, two hops), a token crosses to another node once: to
+    the rank of the same local index there, which forwards it inside its node and sums what
+    comes back before returning it, as DeepEP's internode dispatch and combine do."""
 
     def __init__(self, local: nn.Module, num_experts: int, groups: EPGroups):
         super().__init__()
@@ -130,29 +228,21 @@ class ShardedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        g = self.groups
-        k = top_k_index.shape[1]
-        flat = top_k_index.reshape(-1)
-        # Pairs in expert order: per token, experts are added in the order HF's loop adds them.
-        order = torch.argsort(flat, stable=True)
-        token, slot, expert = order // k, order % k, flat[order]
-        owner = expert // self.num_local
-        send_counts = torch.bincount(owner, minlength=g.ep_size)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=g.ep_group)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
-        ids = torch.empty(sum(recv), dtype=expert.dtype, device=expert.device)
-        dist.all_to_all_single(ids, (expert - owner * self.num_local).contiguous(), recv, send,
-                               group=g.ep_group)
-        x = _AllToAll.apply(hidden_states[token], recv, send, g.ep_group)
-        # Weight 1 on the owner (exact), the routing weight back home: the router's gradient
-        # stays on the rank whose tokens it routed.
+        x, picks, weights, hops = hidden_states, top_k_index, top_k_weights, []
+        for stage in self.groups.stages:
+            n = x.shape[0]
+            x, picks, weights, hop = _dispatch(stage, x, picks, weights, self.num_local)
+            hops.append((hop, n))
+        # Here: rows with this rank's picks only. Each (row, pick) through the HF module with
+        # weight 1 (exact), then weighted by its routing weight and summed per row.
+        row, slot = (picks >= 0).nonzero(as_tuple=True)
+        ids = picks[row, slot] - self.groups.ep_rank * self.num_local
         ones = torch.ones(ids.shape[0], 1, dtype=top_k_weights.dtype, device=x.device)
-        y = self.local(x, ids[:, None], ones)
-        y = _AllToAll.apply(y, send, recv, g.ep_group)
-        y = y * top_k_weights[token, slot, None]
-        out = torch.zeros_like(hidden_states)
-        return out.index_add_(0, token, y.to(out.dtype))
+        y = self.local(x[row], ids[:, None], ones) * weights[row, slot, None]
+        y = x.new_zeros(x.shape).index_add_(0, row, y.to(x.dtype))
+        for hop, n in reversed(hops):
+            y = _combine(hop, y, n)
+        return y
 
 
 class ExpertParallel:

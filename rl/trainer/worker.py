@@ -226,7 +226,8 @@ class TrainerWorker:
         model.train()
         if self.cfg.expert_parallel_size > 1:
             from rl.trainer import expert_parallel as ep
-            groups = ep.make_groups(self.world_size, self.rank, self.cfg.expert_parallel_size)
+            groups = ep.make_groups(self.world_size, self.rank, self.cfg.expert_parallel_size,
+                                    ep.ranks_per_node(self.world_size))
             # Offloaded (cpu and nvme alike: host RAM, expert_parallel's docstring says why).
             self.ep = ep.ExpertParallel(model, groups, self.device,  # type: ignore[assignment]  # lint baseline (issue 39); experts leave `model`
                                         offload=self.cfg.optimizer_offload != "none")
