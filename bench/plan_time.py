@@ -80,6 +80,11 @@ MISSES = {
        "layer 428 ms at 18,432 tokens, 79.2 now); the preset costs today's kernels (0.77 / "
        "0.76 while every layer was costed at the older CSA rate). Re-measure with "
        "`bash bench/run_gpu.sh moe_actor` on 2 GPUs" for setup in ("no EP", "EP=2")},
+    "moe actor bytes ZeRO-3, EP=2 (2 layer(s), 64 experts, 16,384 tokens): all_to_all": "measured "
+    "on 2026-12-01, when the dispatch sent a token once per pick (6 rows); it now goes once per "
+    "rank owning a pick (about 2 rows at EP 2), which the planner counts. The rows each layout "
+    "sends are counted exactly in tests/rl/trainer/test_ep_dispatch.py; re-measure with `bash "
+    "bench/run_gpu.sh moe_actor` on 2 GPUs",
 }
 
 

@@ -37,6 +37,10 @@ class Layout:
     changes: dict[str, Any]
     """The keys whose value differs from the searched config ({}: the config itself)."""
     step_s: float
+    work_s: float
+    """Rollout + train + sync: the step on-policy. With max_staleness >= 1 the rollout hides
+    behind training, and among layouts with the same step the one with less work comes first
+    (shorter rollouts leave more slack)."""
     use: dict[str, float]
     """Fraction of each budget the layout needs: `trainer GPU`, `host/node`, `NVMe/node` (when
     the trainer needs any), `rollout GPU`."""
@@ -49,12 +53,13 @@ class Layout:
         return " ".join(f"{k}={v}" for k, v in self.changes.items()) or "(this config)"
 
     def order(self) -> tuple:
-        """Sort key: estimated step, then less offload, smaller EP, higher ZeRO stage."""
+        """Sort key: estimated step, then less work (`work_s`), less offload, smaller EP, higher
+        ZeRO stage."""
         v = self.values
         offload = (OFFLOAD_RANK[v["trainer.optimizer_offload"]]
                    + (v["trainer.param_offload"] != "none"))
-        return (round(self.step_s, 3), offload, v["trainer.expert_parallel_size"],
-                -v["trainer.zero_stage"])
+        return (round(self.step_s, 3), round(self.work_s, 3), offload,
+                v["trainer.expert_parallel_size"], -v["trainer.zero_stage"])
 
 
 def _divisors(n: int) -> list[int]:
@@ -130,7 +135,8 @@ def search(cfg: Config, arch: Arch) -> list[Layout]:
         if not (trainer.fits and rollout.fits) or rollout.kv is None:
             continue
         changes = {k: v for k, v in values.items() if current[k] != v}
-        layouts.append(Layout(values, changes, estimate(changed, arch, rollout).total,
+        step = estimate(changed, arch, rollout)
+        layouts.append(Layout(values, changes, step.total, step.rollout + step.train + step.sync,
                               _use(trainer, rollout)))
     return sorted(layouts, key=Layout.order)
 

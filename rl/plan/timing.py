@@ -9,10 +9,12 @@ Each component is bytes or FLOPs over a rate (units: seconds, bytes, FLOP, GB/s 
   sliding-only), not by FLOPs (that kernel runs far from the matmul peak);
 - trainer collectives per rank: ZeRO-3 all-gathers (old-log-prob forward, forward, recompute,
   backward) and the gradient reduce-scatter per micro-batch; ZeRO-1/2 gradient reduction per
-  micro-batch plus a parameter all-gather per optimizer step; expert parallelism's all-to-all
-  (dispatch + combine of tokens x top_k x hidden, every pass) and the experts' gradient
-  all-reduce per optimizer step; ring volume (n - 1) / n over the per-GPU link (inter-node when
-  the group spans nodes);
+  micro-batch plus a parameter all-gather per optimizer step; ring volume (n - 1) / n over the
+  per-GPU link (inter-node when the group spans nodes); expert parallelism's dispatch + combine
+  every pass (a token once per rank owning one of its picks, once per node first when the EP
+  group spans nodes; expected rows under uniform routing, `ep_hops`), node-local rows over
+  NVLink / xGMI and the rest over the inter-node link, and the experts' gradient all-reduce per
+  optimizer step;
 - weight sync: the wire bytes (FP8 with `sync.wire_dtype: fp8`) broadcast from trainer rank 0,
   over the link x sync_efficiency, plus ZeRO-3's gather of the full weights onto rank 0;
 - rollout, per engine: prefill at max(FLOPs / (matmul rate x mfu), weight bytes / HBM), then
@@ -150,12 +152,41 @@ def ring_s(nbytes: float, ranks: int, gbps: float) -> float:
     return 0.0 if ranks <= 1 else nbytes * (ranks - 1) / ranks / (gbps * GB)
 
 
+def _p_any(experts: int, top_k: int, held: int) -> float:
+    """Probability that `held` of `experts` experts hold at least one of a token's `top_k` picks
+    (distinct picks, uniform routing)."""
+    return 1.0 - math.comb(experts - held, top_k) / math.comb(experts, top_k)
+
+
+def ep_hops(cfg: Config, arch: Arch) -> list[dict[str, float]]:
+    """The expert-parallel dispatch's hops as `rl.trainer.expert_parallel` runs them (a token
+    goes once to each rank owning one of its picks; with an EP group wider than a node, first
+    once to each node, to the rank of the same local index, then inside the node): per hop,
+    the rows a rank sends per token of its own, in expectation under uniform routing, split
+    into 'local' (to itself), 'intra' (same node) and 'inter' (other nodes)."""
+    ep, e, k = cfg.trainer.expert_parallel_size, arch.num_experts, arch.top_k
+    node = cfg.cluster.trainer.gpus_per_node
+    per_rank = _p_any(e, k, e // ep)
+    if 1 < node < ep and ep % node == 0:   # two hops
+        nodes = ep // node
+        per_node = _p_any(e, k, e // nodes)
+        return [{"local": per_node, "intra": 0.0, "inter": (nodes - 1) * per_node},
+                # each of the token's nodes forwards it to the ranks there owning a pick
+                {"local": nodes * per_rank, "intra": nodes * (node - 1) * per_rank,
+                 "inter": 0.0}]
+    inside = min(ep, node) if node else ep   # no node size given: one node
+    return [{"local": per_rank, "intra": (inside - 1) * per_rank,
+             "inter": (ep - inside) * per_rank}]
+
+
 def collective_bytes(cfg: Config, arch: Arch, micro_batches: int, tokens_per_mb: float
                      ) -> dict[str, float]:
     """Bytes one trainer rank's collectives handle in one step, each call counted at its full
     buffer (gathered output, scattered input, all-to-all input): {'all_gather',
-    'reduce_scatter', 'all_to_all', 'expert_all_reduce'}. ZeRO-0's all-reduce counts as a
-    reduce-scatter plus an all-gather."""
+    'reduce_scatter', 'all_to_all', 'expert_all_reduce'}, and the all-to-all's share over the
+    node's links and between nodes ('all_to_all_intra', 'all_to_all_inter'; what a rank sends
+    to itself stays out of both). ZeRO-0's all-reduce counts as a reduce-scatter plus an
+    all-gather."""
     t = cfg.trainer
     ep, epochs = t.expert_parallel_size, t.ppo_epochs
     ckpt = 1 if t.activation_checkpointing else 0
@@ -171,12 +202,20 @@ def collective_bytes(cfg: Config, arch: Arch, micro_batches: int, tokens_per_mb:
     else:
         gathers = scatters = micro_batches * epochs
     out = {"all_gather": gathers * zero, "reduce_scatter": scatters * zero,
-           "all_to_all": 0.0, "expert_all_reduce": 0.0}
+           "all_to_all": 0.0, "all_to_all_intra": 0.0, "all_to_all_inter": 0.0,
+           "expert_all_reduce": 0.0}
     if ep > 1 and arch.num_experts:
         moe_layers = sum(1 for k in arch.mlp_kinds if k == "moe")
         passes = 1 + epochs * (2 + ckpt)   # forwards (old-log-prob, train, recompute), backward
-        out["all_to_all"] = (micro_batches * passes * moe_layers
-                             * 2 * tokens_per_mb * arch.top_k * arch.hidden * w)  # out and back
+        row = arch.hidden * w
+        # a dispatched row also carries its picks' ids (int64) and routing weights (fp32)
+        sent = {"dispatch": row + arch.top_k * (8 + 4), "combine": row}
+        scale = micro_batches * passes * moe_layers * tokens_per_mb
+        for hop in ep_hops(cfg, arch):
+            rows = sum(hop.values())
+            out["all_to_all"] += scale * rows * sum(sent.values())
+            out["all_to_all_intra"] += scale * hop["intra"] * 2 * row
+            out["all_to_all_inter"] += scale * hop["inter"] * 2 * row
         out["expert_all_reduce"] = t.num_mini_batches * epochs * w * routed / ep
     return out
 
@@ -184,16 +223,17 @@ def collective_bytes(cfg: Config, arch: Arch, micro_batches: int, tokens_per_mb:
 def trainer_comm_s(cfg: Config, arch: Arch, micro_batches: int, tokens_per_mb: float,
                    dev: Device) -> dict[str, float]:
     """Seconds of one rank's collectives in one step: {'zero': s, 'all_to_all': s} (the
-    latter with the experts' gradient all-reduce), `collective_bytes` over the links."""
+    latter with the experts' gradient all-reduce), `collective_bytes` over the links: the
+    all-to-all's node-local rows over NVLink / xGMI, the rest over the inter-node link, one
+    after the other (the second hop waits for the first)."""
     t, cl = cfg.trainer, cfg.cluster.trainer
     n, ep = t.num_ranks, t.expert_parallel_size
     b = collective_bytes(cfg, arch, micro_batches, tokens_per_mb)
     spans = cfg.cluster.num_nodes("trainer") > 1 and cl.gpus_per_node > 0
     link = dev.inter_node_gbps if spans else dev.intra_node_gbps
     zero = ring_s(b["all_gather"] + b["reduce_scatter"], n, link)
-    # EP groups are consecutive ranks: inside a node unless a group is wider than one
-    ep_link = dev.inter_node_gbps if spans and ep > cl.gpus_per_node else dev.intra_node_gbps
-    a2a = b["all_to_all"] * (ep - 1) / ep / (ep_link * GB)   # the own shard stays local
+    a2a = (b["all_to_all_intra"] / (dev.intra_node_gbps * GB)
+           + b["all_to_all_inter"] / (dev.inter_node_gbps * GB))
     replicas = n // ep   # an expert shard lives on n / ep ranks: ring all-reduce among them
     a2a += 2 * ring_s(b["expert_all_reduce"], replicas, link)
     return {"zero": zero, "all_to_all": a2a}
@@ -341,8 +381,12 @@ def estimate(cfg: Config, arch: Arch, rollout: GroupPlan) -> StepTime:
         _row(f"  ZeRO-{t.zero_stage} collectives over {fabric}", comm["zero"]),
     ]
     if ep > 1:
+        hops = ep_hops(cfg, arch)
         lines.append(_row(f"  expert parallel {ep}: all-to-all, expert gradients",
                           comm["all_to_all"]))
+        lines.append(f"      dispatch in {len(hops)} hop(s), rows a token sends (uniform "
+                     f"routing): {sum(h['inter'] for h in hops):.2f} to other nodes, "
+                     f"{sum(h['intra'] for h in hops):.2f} inside its node")
     lines += [
         _row("  train", train),
         _row(f"weight sync: {wire / GB:,.1f} GB {'FP8' if fp8_wire else 'BF16'} at "

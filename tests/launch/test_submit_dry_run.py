@@ -46,7 +46,7 @@ def test_3node_dry_run_prints_the_hetjob_and_the_plan_and_submits_nothing(sbatch
     trainer, rollout = script.split("\n#SBATCH hetjob\n")
     assert "#SBATCH --nodes=2" in trainer and "#SBATCH --gpus-per-node=8" in trainer
     assert "#SBATCH --nodes=1" in rollout and "#SBATCH --gpus-per-node=8" in rollout
-    assert "plan: FITS, estimated step 15.4 min (rollout" in out
+    assert "plan: FITS, estimated step 8.8 min (rollout" in out
     skipped = out.split("checks not run here:\n", 1)[1]
     assert "model checkpoint: model.path /shared/models/DeepSeek-V4-Flash-BF16 is not on" in skipped
     assert f"data: {cfg.data.train_path}, {cfg.data.eval_path}: not on this machine" in skipped

@@ -1,6 +1,7 @@
 """The step-time estimate (rl/plan/timing.py): its arithmetic, and its validation against the
 2 x H200 measurements committed in bench/results (bench/plan_time.py; CPU, reads JSONs)."""
 import json
+import math
 
 import pytest
 
@@ -54,7 +55,7 @@ def test_committed_table_is_what_the_code_computes(rows):
 
 
 def test_v4_plan_prints_time_breakdown_and_staleness_overlaps():
-    on = check(load_config([V4], ZERO3))
+    on = check(load_config([V4], ZERO3 + ["algorithm.max_staleness=0"]))
     text = on.report
     for part in ("Step time estimate", "ZeRO-3 collectives over IB", "weight sync:",
                  "decode: weights + KV", "step (on-policy: rollout + train + sync)"):
@@ -147,9 +148,53 @@ def test_collective_bytes_per_zero_stage(v4_flash):
     assert z2["all_gather"] == 4 * p2 and z2["reduce_scatter"] == 32 * p2   # 4 mini-batches
     ep = collective_bytes(load_config([V4], ZERO3 + ["trainer.expert_parallel_size=8"]),
                           v4_flash, 1, 100)
-    # 4 passes x 43 MoE layers x out and back x 100 tokens x top-6 x hidden 4096 x bf16
-    assert ep["all_to_all"] == 4 * 43 * 2 * 100 * 6 * 4096 * 2
+    # One node (8 GPUs): one hop. 4 passes x 43 MoE layers x 100 tokens x the ranks a token
+    # goes to (each holding 32 of the 256 experts) x (a bf16 row of 4,096 with 6 int64 ids and
+    # fp32 weights, and the row back)
+    ranks = 8 * (1 - math.comb(256 - 32, 6) / math.comb(256, 6))
+    assert ep["all_to_all"] == pytest.approx(4 * 43 * 100 * ranks * (2 * 4096 * 2 + 6 * 12))
+    assert ep["all_to_all_inter"] == 0
+    assert ep["all_to_all_intra"] == pytest.approx(4 * 43 * 100 * ranks * 7 / 8 * 2 * 4096 * 2)
     assert ep["all_gather"] < z3["all_gather"]
+
+
+def _simulated_hops(experts: int, top_k: int, ep: int, node: int, tokens: int) -> dict:
+    """Rows a rank sends per token under `rl.trainer.expert_parallel`'s rule, counted over
+    random uniform picks: to each node owning a pick (its same local rank), which forwards the
+    token to each rank there owning one; with one node, straight to each owning rank."""
+    import random
+    rng = random.Random(0)
+    per, me = experts // ep, 0   # rank 0 of node 0; the layout is symmetric
+    out = {"inter": 0, "intra": 0, "local": 0}
+    for _ in range(tokens):
+        owners = {e // per for e in rng.sample(range(experts), top_k)}
+        if node >= ep:
+            for o in owners:
+                out["local" if o == me else "intra"] += 1
+            continue
+        nodes = {o // node for o in owners}
+        out["inter"] += len(nodes - {me // node})
+        out["local"] += me // node in nodes
+        for m in nodes:   # the rank of local index 0 on node m forwards inside node m
+            for o in owners:
+                if o // node == m:
+                    out["local" if o % node == 0 else "intra"] += 1
+    return {k: v / tokens for k, v in out.items()}
+
+
+@pytest.mark.parametrize("ep, node", [(16, 8), (8, 8), (32, 8), (4, 2)])
+def test_ep_hops_expect_what_the_dispatch_sends(ep, node):
+    from rl.plan.arch import Arch
+    from rl.plan.timing import ep_hops
+    cfg = load_config([V4], [f"trainer.expert_parallel_size={ep}", f"trainer.num_ranks={ep}",
+                             f"cluster.trainer.gpus_per_node={node}"])
+    arch = Arch(model_type="x", source="test", config={}, tensors=(), num_layers=1, hidden=1,
+                vocab=1, top_k=6, num_experts=256)
+    hops = ep_hops(cfg, arch)
+    assert len(hops) == (2 if node < ep else 1)
+    want = _simulated_hops(256, 6, ep, node, 20000)
+    for k in ("inter", "intra", "local"):
+        assert sum(h[k] for h in hops) == pytest.approx(want[k], rel=0.03, abs=0.01), k
 
 
 def test_decode_sums_every_step_like_the_rollout_roofline():
