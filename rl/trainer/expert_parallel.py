@@ -34,6 +34,7 @@ too, and `launch.plan` counts them there.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 """The 3-D (experts, out, in) parameters of an HF experts module, sharded on dim 0."""
@@ -98,6 +101,9 @@ def ranks_per_node(world_size: int) -> int:
     size = hosts.count(hosts[0])
     if world_size % size or any(hosts[i] != hosts[i - i % size] for i in range(world_size)) \
             or len(set(hosts)) != world_size // size:
+        log.warning("trainer ranks are not placed node by node (ranks' hosts: %s): the "
+                    "expert-parallel dispatch takes one hop, every row over its own link",
+                    ", ".join(hosts))
         return 0
     return size
 

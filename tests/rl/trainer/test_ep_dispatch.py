@@ -159,3 +159,20 @@ def test_sharded_experts_match_the_whole_module(ranks, dtype, ep, node_size, sta
         sent = sum(r["got"]["cross_rows"] for r in results)
         assert sent == 4 * need["need_hops2" if stages == 2 else "need_hop1"]
         assert need["need_hops2"] < need["need_hop1"] < need["pairs_cross"]
+
+
+@pytest.mark.parametrize("hosts, size", [(["a", "a", "b", "b"], 2), (["a"] * 4, 4),
+                                         (["a", "b", "a", "b"], 0), (["a", "a", "a", "b"], 0),
+                                         (["a", "a", "b", "b", "a", "a"], 0)])
+def test_ranks_per_node_from_host_names(monkeypatch, caplog, hosts, size):
+    """Ranks placed node by node give the node size; any other placement gives 0 (one hop),
+    with a warning naming the hosts."""
+    from rl.trainer import expert_parallel as ep
+    monkeypatch.delenv("RL_EP_NODE_SIZE", raising=False)
+    monkeypatch.setattr(ep.dist, "all_gather_object", lambda out, _: out.__setitem__(
+        slice(None), hosts))
+    assert ep.ranks_per_node(len(hosts)) == size
+    assert ("not placed node by node" in caplog.text) == (size == 0)
+    monkeypatch.setenv("RL_EP_NODE_SIZE", "3")
+    with pytest.raises(ValueError, match="RL_EP_NODE_SIZE='3'"):
+        ep.ranks_per_node(4)
