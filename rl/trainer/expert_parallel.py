@@ -37,7 +37,7 @@ import contextlib
 import logging
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -81,7 +81,7 @@ class EPGroups:
     ep_group: object
     edp_group: object
     """The ranks holding the same expert shard (size world / EP)."""
-    stages: list[Stage] = field(default_factory=list)
+    stages: list[Stage]
     """The dispatch's hops: one over `ep_group` (flat), or two when the EP group spans nodes
     (hierarchical): across nodes to the peer of the same local rank, then inside the node."""
 
